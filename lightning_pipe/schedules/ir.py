@@ -1,0 +1,118 @@
+"""The action IR: the plain data every schedule produces and the runtime executes.
+
+A *program* holds, for every pipeline rank, the ordered list of actions that rank performs for one
+optimizer step. Actions are immutable and have a one-token text form compatible with
+``torch.distributed.pipelining`` (``0F3`` is "stage 0, forward, microbatch 3"; ``1SEND_F2``).
+
+Stages are *global* stage indices ``0 .. num_stages - 1``; ``Program.stage_to_rank`` places them on
+ranks (one-to-one, circular for interleaved schedules, V-shaped for ZB-V). Communication actions name
+the stage that sends or receives; the peer stage is implied (``SEND_F`` of stage ``s`` goes to stage
+``s + 1``; ``SEND_B`` of stage ``s`` goes to stage ``s - 1``), and so is the peer rank.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ActionType(str, enum.Enum):
+    """What one action does. The values are the tokens of the text form."""
+
+    FORWARD = "F"
+    BACKWARD = "B"  # full backward: input and weight gradients together
+    BACKWARD_INPUT = "I"  # zero-bubble: gradient w.r.t. the stage input only
+    BACKWARD_WEIGHT = "W"  # zero-bubble: gradient w.r.t. the stage parameters, deferred
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    RECOMPUTE = "RECOMPUTE"  # memory action: recompute the stage's saved activations
+    OFFLOAD = "OFFLOAD"  # memory action: move saved activations to host memory
+    RELOAD = "RELOAD"  # memory action: bring offloaded activations back
+    STEP = "STEP"  # per-stage optimizer step (microbatch is None)
+
+    @property
+    def is_compute(self) -> bool:
+        """True for forward and the backward kinds."""
+        return self in _COMPUTE
+
+    @property
+    def is_communication(self) -> bool:
+        """True for the four point-to-point kinds."""
+        return self in _COMMUNICATION
+
+
+_COMPUTE = frozenset({ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT})
+_COMMUNICATION = frozenset({ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B})
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one rank: ``type`` applied to global ``stage`` for ``microbatch``.
+
+    Attributes:
+        stage: global stage index.
+        type: what to do.
+        microbatch: microbatch index, or None for actions that concern the whole step (``STEP``).
+    """
+
+    stage: int
+    type: ActionType
+    microbatch: int | None = None
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        return f"{self.stage}{self.type.value}{mb}"
+
+
+def F(stage: int, microbatch: int) -> Action:
+    """Forward of ``stage`` for ``microbatch``."""
+    return Action(stage, ActionType.FORWARD, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:
+    """Full backward of ``stage`` for ``microbatch``."""
+    return Action(stage, ActionType.BACKWARD, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: E743 - the IR's own letter
+    """Input-gradient backward of ``stage`` for ``microbatch`` (zero-bubble)."""
+    return Action(stage, ActionType.BACKWARD_INPUT, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:
+    """Weight-gradient backward of ``stage`` for ``microbatch`` (zero-bubble)."""
+    return Action(stage, ActionType.BACKWARD_WEIGHT, microbatch)
+
+
+@dataclass(frozen=True)
+class Program:
+    """Per-rank action lists for one optimizer step of a pipeline.
+
+    Attributes:
+        name: the family or spec that produced it (for display).
+        num_stages: number of global stages.
+        num_microbatches: number of microbatches per step.
+        stage_to_rank: rank of every global stage; ``len == num_stages``.
+        actions: one tuple of actions per rank, in execution order.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of pipeline ranks."""
+        return len(self.actions)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """Global stages placed on ``rank``, ascending."""
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def rank_of(self, stage: int) -> int:
+        """Rank that runs global ``stage``."""
+        return self.stage_to_rank[stage]
