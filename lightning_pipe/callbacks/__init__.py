@@ -1,0 +1,3 @@
+"""Lightning callbacks that decide plans and watch the pipeline."""
+
+__all__: list[str] = []

@@ -1,0 +1,70 @@
+"""Combine the ``self.log`` calls of a step's microbatches into the calls of the whole batch.
+
+The user's step logs once per microbatch, on the last stage only. Lightning must see one call per
+name per batch, with the value a single-device run over the whole batch would log: microbatch
+values are combined by the call's ``reduce_fx`` ("mean" weighted by each microbatch's share of the
+batch, "sum", "max", "min"), then replayed on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.model.stage_runner import LogCall
+
+_MEAN = ("mean", torch.mean)
+_SUM = ("sum", torch.sum)
+_MAX = ("max", torch.max)
+_MIN = ("min", torch.min)
+
+
+def _as_tensor(name: str, value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", torch.float64)
+    if isinstance(value, (int, float, bool)):
+        return torch.tensor(float(value), dtype=torch.float64)
+    raise TypeError(
+        f"`self.log({name!r}, <{type(value).__name__}>)` inside a pipelined step is not supported: log tensors or "
+        "numbers (for torchmetrics, log `metric.compute()` in an epoch-end hook instead of the Metric object)."
+    )
+
+
+def reduce_log_calls(per_microbatch: list[list[LogCall]], weights: list[float]) -> list[LogCall]:
+    """One call per logged name, combining the microbatches that logged it.
+
+    Args:
+        per_microbatch: the calls recorded for each microbatch, in microbatch order.
+        weights: each microbatch's share of the batch (samples), summing to 1.
+
+    Returns:
+        Calls with CPU float64 tensor values, ready to broadcast and replay.
+    """
+    names: dict[str, list[tuple[float, LogCall]]] = {}
+    for weight, calls in zip(weights, per_microbatch, strict=True):
+        for call in calls:
+            names.setdefault(call.name, []).append((weight, call))
+    reduced = []
+    for name, entries in names.items():
+        kwargs = dict(entries[0][1].kwargs)
+        values = torch.stack([_as_tensor(name, call.value) for _, call in entries])
+        fx = kwargs.get("reduce_fx", "mean")
+        if fx in _MEAN:
+            w = torch.tensor([weight for weight, _ in entries], dtype=torch.float64)
+            value = (values * (w / w.sum()).view(-1, *([1] * (values.dim() - 1)))).sum(0)
+        elif fx in _SUM:
+            value = values.sum(0)
+        elif fx in _MAX:
+            value = values.max(0).values
+        elif fx in _MIN:
+            value = values.min(0).values
+        else:
+            raise ValueError(f"`self.log({name!r}, reduce_fx={fx!r})`: pipelined steps support mean, sum, max and min.")
+        first = entries[0][1].value
+        value = value.to(first.dtype if isinstance(first, Tensor) and first.is_floating_point() else torch.float32)
+        if "batch_size" in kwargs:
+            kwargs["batch_size"] = sum(call.kwargs.get("batch_size", 0) for _, call in entries)
+        reduced.append(LogCall(name, value, kwargs))
+    return reduced

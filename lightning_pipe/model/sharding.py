@@ -1,0 +1,58 @@
+"""Keep real tensors only for the units a rank owns; everything else lives on the meta device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_pipe.model.units import UnitLayout
+
+
+def owned_units(boundaries: tuple[int, ...] | list[int], stages: tuple[int, ...] | list[int]) -> set[int]:
+    """Units held by a rank running ``stages`` of a partition given as block boundaries.
+
+    Stage ``k`` runs blocks ``boundaries[k] <= i < boundaries[k + 1]`` (units ``i + 1``); the first
+    stage also runs ``pre`` (unit 0) and the last stage ``post`` (unit ``num_blocks + 1``).
+    """
+    num_stages = len(boundaries) - 1
+    num_blocks = boundaries[-1]
+    units: set[int] = set()
+    for stage in stages:
+        units.update(range(boundaries[stage] + 1, boundaries[stage + 1] + 1))
+        if stage == 0:
+            units.add(0)
+        if stage == num_stages - 1:
+            units.add(num_blocks + 1)
+    return units
+
+
+def _owned_names(layout: UnitLayout, units: set[int]) -> set[str]:
+    names = {name for unit in units for name in layout.unit_names[unit]}
+    for group in layout.tied:  # a tied tensor is held wherever one of its names is
+        if names.intersection(group):
+            names.update(group)
+    return names
+
+
+def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: torch.device) -> None:
+    """Move the tensors of ``units`` to ``device`` and replace all others by meta tensors, in place.
+
+    Parameters are replaced by new ``nn.Parameter`` objects (a tensor cannot change between meta and
+    a real device in place), so call this before optimizers are created. Tensors registered under
+    several names stay shared.
+    """
+    owned = _owned_names(layout, units)
+    replaced: dict[int, torch.Tensor] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in registry.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in replaced:
+                    keep = prefix + name in owned
+                    new = tensor.to(device) if keep else torch.empty_like(tensor, device="meta")
+                    if isinstance(tensor, nn.Parameter) and not isinstance(new, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    replaced[id(tensor)] = new
+                registry[name] = replaced[id(tensor)]

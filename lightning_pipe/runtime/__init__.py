@@ -1,0 +1,19 @@
+"""Executing programs on one rank: stages, point-to-point transfers, collectives."""
+
+from lightning_pipe.runtime.executor import ActionRecord, PipelineExecutor, StepOutcome, StepWork
+from lightning_pipe.runtime.groups import ProcessGroups, RankLayout, create_process_groups
+from lightning_pipe.runtime.microbatch import split_batch
+from lightning_pipe.runtime.p2p import PointToPoint
+
+# Public: the executor and the process-group layout the strategy builds on.
+__all__ = [
+    "ActionRecord",
+    "PipelineExecutor",
+    "PointToPoint",
+    "ProcessGroups",
+    "RankLayout",
+    "StepOutcome",
+    "StepWork",
+    "create_process_groups",
+    "split_batch",
+]

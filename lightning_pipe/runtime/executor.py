@@ -1,0 +1,255 @@
+"""Execute one rank's program of actions for one step.
+
+``F`` runs the user's step as a stage (:class:`~lightning_pipe.model.StageRunner`), ``B``/``I``/``W``
+run autograd from the stage outputs, ``SEND_*`` post transfers. A receive happens where its tensor
+is consumed (``F`` for activations, ``B``/``I`` for gradients): an activation's shape is only known
+when the stage reaches its first block on the meta device, and this keeps microbatches free to
+have any shape without a shape exchange. The program's ``RECV_*`` actions therefore only assert
+order; validated programs place them right before their consumer.
+
+Zero-bubble split backward: ``I`` computes the input gradients with ``torch.autograd.grad``
+(retaining the graph, accumulating nothing) and ``W`` runs the full backward later, which
+accumulates the weight gradients; the input gradients ``W`` recomputes are discarded. Exact by
+construction, at the cost of walking the shared part of the graph twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.model.stage_runner import LogCall, StageResult, StageRunner, StageSpan
+from lightning_pipe.model.units import is_float
+from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PointToPoint
+from lightning_pipe.schedules.ir import Action, ActionType, Program
+
+
+@dataclass
+class StepWork:
+    """What one step computes.
+
+    Attributes:
+        step_name: the user's step function (``"training_step"``, ...).
+        microbatches: the arguments of the step for each microbatch.
+        loss_scales: per microbatch, the factor applied to the loss before backward (its share of
+            the batch divided by the accumulation count); None for forward-only steps.
+    """
+
+    step_name: str
+    microbatches: list[tuple]
+    loss_scales: list[float] | None = None
+
+
+@dataclass
+class ActionRecord:
+    """When one action ran on this rank (``time.perf_counter`` seconds)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class StepOutcome:
+    """What a step produced on this rank.
+
+    Attributes:
+        losses: detached loss per microbatch (last stage only).
+        step_outputs: the user's step output per microbatch (last stage only).
+        logs: recorded ``self.log`` calls per microbatch (last stage only).
+        records: timing of every action this rank ran.
+    """
+
+    losses: dict[int, Tensor] = field(default_factory=dict)
+    step_outputs: dict[int, Any] = field(default_factory=dict)
+    logs: dict[int, list[LogCall]] = field(default_factory=dict)
+    records: list[ActionRecord] = field(default_factory=list)
+
+
+@dataclass
+class _Slot:
+    result: StageResult
+    loss: Tensor | None = None
+    input_grads: list[Tensor] | None = None
+    output_grads: list[Tensor | None] | None = None
+
+
+class PipelineExecutor:
+    """Runs programs on one pipeline rank.
+
+    Args:
+        runner: runs stages of the user's module.
+        p2p: transfer layer for the pipeline group.
+        pipeline_ranks: global rank of every pipeline rank (index = pipeline rank).
+        pipeline_rank: this rank's index in ``pipeline_ranks``.
+        device: where received tensors are placed.
+    """
+
+    def __init__(
+        self,
+        runner: StageRunner,
+        p2p: PointToPoint,
+        pipeline_ranks: list[int],
+        pipeline_rank: int,
+        device: torch.device,
+    ) -> None:
+        self.runner = runner
+        self.p2p = p2p
+        self.pipeline_ranks = pipeline_ranks
+        self.pipeline_rank = pipeline_rank
+        self.device = device
+
+    def run(self, program: Program, spans: dict[int, StageSpan], work: StepWork) -> StepOutcome:
+        """Run this rank's actions of ``program`` for ``work``; ``spans`` maps its stages to blocks."""
+        self._program = program
+        self._spans = spans
+        self._work = work
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._local_activations: dict[tuple[int, int], list[Tensor]] = {}
+        self._local_gradients: dict[tuple[int, int], list[Tensor]] = {}
+        outcome = StepOutcome()
+        try:
+            for action in program.actions[self.pipeline_rank]:
+                start = time.perf_counter()
+                self._execute(action, outcome)
+                outcome.records.append(ActionRecord(action, start, time.perf_counter()))
+            self.p2p.wait_sends()
+        finally:
+            self._slots = {}
+            self._local_activations = {}
+            self._local_gradients = {}
+        return outcome
+
+    # --- actions ---------------------------------------------------------------------------------
+
+    def _execute(self, action: Action, outcome: StepOutcome) -> None:
+        kind, stage, mb = action.type, action.stage, action.microbatch
+        if kind is ActionType.FORWARD:
+            self._forward(stage, mb, outcome)
+        elif kind is ActionType.BACKWARD:
+            self._backward(stage, mb, full=True)
+        elif kind is ActionType.BACKWARD_INPUT:
+            self._backward(stage, mb, full=False)
+        elif kind is ActionType.BACKWARD_WEIGHT:
+            self._backward_weight(stage, mb)
+        elif kind is ActionType.SEND_F:
+            self.p2p.send(self._slot(action).result.outputs, self._peer(stage + 1), ACTIVATION, stage, mb)
+        elif kind is ActionType.SEND_B:
+            self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1), GRADIENT, stage, mb)
+        elif kind in (ActionType.RECV_F, ActionType.RECV_B):
+            pass  # received where consumed; see the module docstring
+        else:
+            raise RuntimeError(
+                f"Rank {self.pipeline_rank} has no runtime for action {action} ({kind.name}); "
+                "register one or remove it from the schedule."
+            )
+
+    def _forward(self, stage: int, mb: int, outcome: StepOutcome) -> None:
+        span = self._spans[stage]
+        result = self.runner.run(
+            self._work.step_name, self._work.microbatches[mb], span, receive=lambda metas: self._receive(stage, mb, metas)
+        )
+        slot = _Slot(result)
+        self._slots[(stage, mb)] = slot
+        if span.is_last:
+            outcome.step_outputs[mb] = result.step_output
+            outcome.logs[mb] = result.logs
+            if self._work.loss_scales is not None:
+                slot.loss = _extract_loss(result.step_output, self._work.step_name)
+                outcome.losses[mb] = slot.loss.detach()
+        elif self._program.rank_of(stage + 1) == self.pipeline_rank:
+            self._local_activations[(stage + 1, mb)] = result.outputs
+
+    def _receive(self, stage: int, mb: int, metas: list[Tensor]) -> list[Tensor]:
+        local = self._local_activations.pop((stage, mb), None)
+        if local is None:
+            shapes = [(m.shape, m.dtype) for m in metas]
+            local = self.p2p.receive(shapes, self._peer(stage - 1), ACTIVATION, stage - 1, mb, self.device)
+        received = []
+        for meta, tensor in zip(metas, local, strict=True):
+            if tensor.shape != meta.shape:
+                raise RuntimeError(
+                    f"Stage {stage} microbatch {mb}: received shape {tuple(tensor.shape)} but the step expects "
+                    f"{tuple(meta.shape)} at its first block."
+                )
+            leaf = tensor.detach()
+            if is_float(leaf) and torch.is_grad_enabled():
+                leaf.requires_grad_(True)
+            received.append(leaf)
+        return received
+
+    def _output_gradients(self, stage: int, mb: int, slot: _Slot) -> tuple[list[Tensor], list[Tensor | None]]:
+        """The stage's outputs to differentiate and the gradients flowing into them."""
+        if self._spans[stage].is_last:
+            assert slot.loss is not None and self._work.loss_scales is not None
+            return [slot.loss * self._work.loss_scales[mb]], [None]
+        floats = [t for t in slot.result.outputs if is_float(t)]
+        if slot.output_grads is None:
+            grads = self._local_gradients.pop((stage, mb), None)
+            if grads is None:
+                shapes = [(t.shape, t.dtype) for t in floats]
+                grads = self.p2p.receive(shapes, self._peer(stage + 1), GRADIENT, stage + 1, mb, self.device)
+            slot.output_grads = list(grads)
+        pairs = [(t, g) for t, g in zip(floats, slot.output_grads, strict=True) if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    def _float_inputs(self, slot: _Slot) -> list[Tensor]:
+        return [t for t in slot.result.inputs if is_float(t)]
+
+    def _backward(self, stage: int, mb: int, full: bool) -> None:
+        slot = self._slots[(stage, mb)]
+        outputs, grads = self._output_gradients(stage, mb, slot)
+        inputs = self._float_inputs(slot)
+        if full:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+            _release(slot)
+        else:
+            needs = [t for t in inputs if t.requires_grad]
+            computed = (
+                torch.autograd.grad(outputs, needs, grads, retain_graph=True, allow_unused=True) if outputs and needs else []
+            )
+            by_id = {id(t): g for t, g in zip(needs, computed)}
+            input_grads = [by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t) for t in inputs]
+        slot.input_grads = input_grads
+        if stage > 0 and self._program.rank_of(stage - 1) == self.pipeline_rank:
+            self._local_gradients[(stage - 1, mb)] = input_grads
+
+    def _backward_weight(self, stage: int, mb: int) -> None:
+        slot = self._slots[(stage, mb)]
+        outputs, grads = self._output_gradients(stage, mb, slot)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        _release(slot)
+
+    def _slot(self, action: Action) -> _Slot:
+        slot = self._slots.get((action.stage, action.microbatch))
+        if slot is None:
+            raise RuntimeError(f"Rank {self.pipeline_rank}: {action} has nothing to send (order of the program?).")
+        return slot
+
+    def _peer(self, stage: int) -> int:
+        return self.pipeline_ranks[self._program.rank_of(stage)]
+
+
+def _release(slot: _Slot) -> None:
+    """Drop the activations and graph of a finished microbatch; its input gradients stay for SEND_B."""
+    slot.result = StageResult()
+    slot.loss = None
+    slot.output_grads = None
+
+
+def _extract_loss(step_output: Any, step_name: str) -> Tensor:
+    loss = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
+    if not isinstance(loss, Tensor):
+        raise RuntimeError(
+            f"`{step_name}` returned {type(step_output).__name__}; with pipeline parallelism it must return the loss "
+            "tensor or a dict with a 'loss' key on every step (skipping a step by returning None is not supported)."
+        )
+    return loss

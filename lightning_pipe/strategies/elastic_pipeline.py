@@ -1,0 +1,457 @@
+"""``ElasticPipelineStrategy``: pipeline-parallel training of an unchanged LightningModule.
+
+The strategy is Lightning glue: each hook below is a few lines that hand the work to ``model/``
+(find blocks and units, run stages of the user's steps), ``runtime/`` (execute a program, move
+tensors, collectives) and ``schedules/`` (the program). See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks, owned_units, shard_module
+from lightning_pipe.model.log_calls import reduce_log_calls
+from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
+from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
+from lightning_pipe.strategies import _lightning_compat as compat
+from lightning_pipe.strategies.partitioning import initial_partition
+from lightning_pipe.strategies.precision import install_global_norm_clipping
+
+log = logging.getLogger(__name__)
+
+PartitionSpec = Union[Literal["uniform", "balanced"], list[int]]
+ScheduleSpec = Union[str, dict[str, Any], Schedule]
+
+
+class ElasticPipelineStrategy(ParallelStrategy):
+    """Train a LightningModule with pipeline parallelism (x data parallelism), without changing it.
+
+    Args:
+        pipeline_parallel_size: pipeline ranks per replica; the other factor of the process count is
+            data parallel. None: all processes form one pipeline.
+        num_microbatches: microbatches per batch; None: twice the number of pipeline ranks.
+        schedule: a family name (``"1f1b"``, ``"gpipe"``, ...), a DSL spec (text or dict), or a
+            :class:`~lightning_pipe.schedules.Schedule`.
+        blocks: dotted path of the repeated block stack (``"model.layers"``); None: auto-detect.
+        partition: ``"uniform"`` (equal block counts), ``"balanced"`` (by parameter count), or the
+            number of blocks of each stage (``[3, 3, 2]``).
+        process_group_backend: ``"gloo"``, ``"nccl"``; None: the default for the device.
+        start_method: ``"popen"`` (re-run the script per process, works with torchrun), or
+            ``"spawn"``/``"fork"`` (start processes from the current one; notebooks, tests).
+        timeout: how long a collective or transfer may wait before the process group gives up,
+            so that a crashed rank does not leave the others hanging forever.
+    """
+
+    strategy_name = "elastic_pipe"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int | None = None,
+        num_microbatches: int | None = None,
+        schedule: ScheduleSpec = "1f1b",
+        blocks: str | None = None,
+        partition: PartitionSpec = "balanced",
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        timeout: timedelta = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if pipeline_parallel_size is not None and pipeline_parallel_size < 1:
+            raise ValueError(f"`pipeline_parallel_size` must be at least 1, got {pipeline_parallel_size}.")
+        if num_microbatches is not None and num_microbatches < 1:
+            raise ValueError(f"`num_microbatches` must be at least 1, got {num_microbatches}.")
+        if isinstance(partition, str) and partition not in ("uniform", "balanced"):
+            raise ValueError(f"`partition={partition!r}`: use 'uniform', 'balanced' or a list of blocks per stage.")
+        self._pipeline_parallel_size = pipeline_parallel_size
+        self._num_microbatches = num_microbatches
+        self.schedule: Schedule = resolve_schedule(schedule)
+        self._blocks = blocks
+        self._partition_spec = partition
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.boundaries: tuple[int, ...] = ()
+        self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
+
+    # --- sizes and ranks -----------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always distributed: tells Lightning to shard data with a distributed sampler."""
+        return True
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Pipeline ranks per replica."""
+        return self._pipeline_parallel_size or self.world_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per batch."""
+        return self._num_microbatches or 2 * self.pipeline_parallel_size
+
+    @property
+    def layout(self) -> RankLayout:
+        """Where this process sits in the pipeline x data-parallel grid."""
+        return RankLayout(self.world_size, self.pipeline_parallel_size, self.global_rank)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard the data over data-parallel replicas only: the ranks of one pipeline see one batch."""
+        return {"num_replicas": self.layout.data_parallel_size, "rank": self.layout.data_parallel_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore into the sharded module (each rank copies only what it owns)."""
+        return True
+
+    def set_world_ranks(self) -> None:
+        """Record global rank and world size in the cluster environment."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # --- processes ------------------------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = compat._SubprocessScriptLauncher(
+                    self.cluster_environment, self.num_processes, self.num_nodes
+                )
+        else:
+            self._launcher = compat.PipelineMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        self.layout  # validates pipeline_parallel_size against the process count before any process group
+        super().setup_environment()
+        self.set_world_ranks()
+        backend = self._process_group_backend or compat._get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        compat._init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.groups = create_process_groups(self.layout)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"`{type(self).__name__}` does not support manual optimization (`automatic_optimization = False`) "
+                f"in `{type(self.lightning_module).__name__}`: the pipeline runs backward inside the step. Use "
+                "automatic optimization."
+            )
+        self.model = self.precision_plugin.convert_module(self.model)
+        self._shard(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            compat.set_skip_backward(trainer, True)
+        self.setup_precision_plugin()
+        install_global_norm_clipping(self.precision_plugin, self._global_gradient_norm)
+
+    def _shard(self, trainer: Any) -> None:
+        module = self.lightning_module
+        stack = find_blocks(module, self._blocks)
+        self.unit_layout = analyze_units(module, stack)
+        num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
+        self.boundaries = initial_partition(self._partition_spec, module, self.unit_layout, num_stages)
+        self.program = self.schedule.build(self.pipeline_parallel_size, self.num_microbatches)
+        validate(self.program)
+        self.eval_program: Program = forward_only(self.program)
+        pipeline_rank = self.layout.pipeline_rank
+        my_stages = self.program.stages_of(pipeline_rank)
+        shard_module(module, self.unit_layout, owned_units(self.boundaries, my_stages), self.root_device)
+        self.spans = {
+            s: StageSpan(s, self.boundaries[s], self.boundaries[s + 1], stack.num_blocks) for s in my_stages
+        }
+        self.runner = StageRunner(module, stack)
+        self.executor = PipelineExecutor(
+            self.runner,
+            PointToPoint(self.groups.pipeline),
+            self.layout.pipeline_ranks(),
+            pipeline_rank,
+            self.root_device,
+        )
+        self._tied = self._tied_parameters()
+        log.info(
+            "rank %d: pipeline rank %d of %d, stages %s, blocks %s, schedule %s, %d microbatches",
+            self.global_rank, pipeline_rank, self.pipeline_parallel_size, my_stages,
+            [(self.boundaries[s], self.boundaries[s + 1]) for s in my_stages], self.schedule.name,
+            self.num_microbatches,
+        )
+
+    def _tied_parameters(self) -> list[Tensor]:
+        """Real tied parameters that exist on two ranks (the pipeline's two ends)."""
+        if self.program.rank_of(0) == self.program.rank_of(self.program.num_stages - 1):
+            return []
+        params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
+        return [params[group[0]] for group in self.unit_layout.tied if params[group[0]].device.type != "meta"]
+
+    @override
+    def model_to_device(self) -> None:
+        """Nothing to move: sharding placed the owned units on the device."""
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """Modules created under ``trainer.init_module()``/``configure_model`` start on the CPU; each rank
+        keeps only its units at setup. ``empty_init`` is not honoured yet (see the README's limits)."""
+        with self.precision_plugin.tensor_init_context():
+            yield
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    def _run(self, step_name: str, args: tuple, train: bool) -> Any:
+        batch, rest = args[0], args[1:]
+        microbatches = split_batch(batch, self.num_microbatches)
+        sizes = [batch_size_of(mb) for mb in microbatches]
+        weights = [size / sum(sizes) for size in sizes]
+        if train:
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            work = StepWork(step_name, [(mb, *rest) for mb in microbatches], [w / accumulate for w in weights])
+            program = self.program
+        else:
+            work = StepWork(step_name, [(mb, *rest) for mb in microbatches])
+            program = self.eval_program
+        with self.precision_plugin.forward_context() if not train else nullcontext():
+            outcome = self.executor.run(program, self.spans, work)
+        self.last_outcome = outcome
+        return self._share_outcome(outcome, weights, train)
+
+    def _share_outcome(self, outcome: Any, weights: list[float], train: bool) -> tuple[Tensor | None, Any]:
+        """Broadcast the loss and the reduced logs from the last stage; replay the logs on every rank."""
+        last_rank = self.layout.pipeline_ranks()[self.program.rank_of(self.program.num_stages - 1)]
+        payload = None
+        if self.global_rank == last_rank:
+            mbs = sorted(outcome.logs)
+            logs = reduce_log_calls([outcome.logs[mb] for mb in mbs], [weights[mb] for mb in mbs])
+            loss = sum(weights[mb] * outcome.losses[mb].double() for mb in sorted(outcome.losses)) if train else None
+            payload = (None if loss is None else loss.cpu(), logs)
+        if self.pipeline_parallel_size > 1:
+            payload = collectives.broadcast_object(payload, last_rank, self.groups.pipeline)
+        loss, logs = payload
+        for call in logs:
+            self.lightning_module.log(call.name, call.value.to(self.root_device), **call.kwargs)
+        dtype = torch.get_default_dtype() if loss is None else next(
+            (p.dtype for p in self.lightning_module.parameters() if p.is_floating_point()), torch.float32
+        )
+        return None if loss is None else loss.to(self.root_device, dtype), outcome
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        trainer = self.lightning_module.trainer
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            for optimizer in self.optimizers:
+                self.lightning_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        with self.precision_plugin.train_step_context():
+            loss, _ = self._run("training_step", tuple(args) + tuple(kwargs.values()), train=True)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            self._run("validation_step", tuple(args) + tuple(kwargs.values()), train=False)
+        return None
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            self._run("test_step", tuple(args) + tuple(kwargs.values()), train=False)
+        return None
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Predictions of the whole batch, on the pipeline's first rank (None on the others)."""
+        with self.precision_plugin.predict_step_context():
+            _, outcome = self._run("predict_step", tuple(args) + tuple(kwargs.values()), train=False)
+        outputs = [outcome.step_outputs[mb] for mb in sorted(outcome.step_outputs)]
+        predictions = _concatenate(outputs) if outputs else None
+        first_rank = self.layout.pipeline_ranks()[0]
+        last_rank = self.layout.pipeline_ranks()[self.program.rank_of(self.program.num_stages - 1)]
+        if first_rank != last_rank:
+            predictions = collectives.broadcast_object(predictions, last_rank, self.groups.pipeline)
+        return predictions if self.global_rank == first_rank else None
+
+    # --- optimization ---------------------------------------------------------------------------
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Synchronize gradients (tied copies, data-parallel replicas) after the step, before clipping."""
+
+        def closure_then_synchronize() -> Any:
+            result = closure()
+            self._synchronize_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+
+    def _owned_parameters(self, optimizer: Optimizer) -> list[Tensor]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return [p for group in optimizer.param_groups for p in group["params"] if p.device.type != "meta"]
+
+    def _synchronize_gradients(self, optimizer: Optimizer) -> None:
+        if self._tied and self.groups.ends is not None:
+            collectives.sum_tied_gradients(self._tied, self.groups.ends)
+        collectives.average_gradients(
+            self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size
+        )
+
+    def _global_gradient_norm(self, grads: list[Tensor]) -> Tensor:
+        counted_twice = set()
+        if self._tied and self.layout.pipeline_rank != 0:  # the first rank counts tied parameters
+            counted_twice = {id(p.grad) for p in self._tied}
+        squares = [g.double().pow(2).sum() for g in grads if id(g) not in counted_twice]
+        local = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=self.root_device)
+        return collectives.global_norm(local, self.groups.pipeline)
+
+    # --- collectives Lightning asks for ---------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over data-parallel replicas: every rank of a pipeline holds the same replayed value."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        from lightning.fabric.utilities.distributed import _sync_ddp
+
+        return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict (every stage's tensors) on global rank 0; empty elsewhere."""
+        module = self.lightning_module
+        local = {k: v.detach().cpu() for k, v in module.state_dict().items() if v.device.type != "meta"}
+        return self._gather_on_rank_zero(local, order=list(module.state_dict().keys()))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's complete state (every stage's entries) on global rank 0, in torch's format.
+
+        Every rank's optimizer holds all parameters in the same order (meta ones never get state),
+        so per-parameter indices agree with a single-process optimizer's and the result loads there.
+        """
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        state = optimizer.state_dict()
+        local = {index: _to_cpu(value) for index, value in state["state"].items()}
+        merged = self._gather_on_rank_zero(local, order=None)
+        return {"state": merged, "param_groups": state["param_groups"]} if self.global_rank == 0 else {}
+
+    def _gather_on_rank_zero(self, local: dict, order: list | None) -> dict:
+        if self.layout.data_parallel_rank != 0:
+            return {}
+        parts = collectives.gather_objects(local, self.layout.pipeline_ranks()[0], self.groups.pipeline)
+        if self.global_rank != 0 or parts is None:
+            return {}
+        merged: dict = {}
+        for part in parts:
+            merged.update(part)
+        keys = order if order is not None else sorted(merged)
+        return {k: merged[k] for k in keys if k in merged}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Load each optimizer's state, keeping only the entries of parameters this rank owns."""
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            owned = {i for i, p in enumerate(params) if p.device.type != "meta"}
+            optimizer.load_state_dict(
+                {"state": {i: v for i, v in state["state"].items() if i in owned}, "param_groups": state["param_groups"]}
+            )
+
+    @override
+    def teardown(self) -> None:
+        if getattr(self, "runner", None) is not None:
+            self.runner.remove()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "elastic_pipe", cls, description="Pipeline parallelism for unchanged LightningModules (lightning-pipe)"
+        )
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _concatenate(outputs: list[Any]) -> Any:
+    """Join per-microbatch outputs along the batch dimension (tensors, and containers of them)."""
+    first = outputs[0]
+    if isinstance(first, Tensor):
+        return torch.cat(outputs) if first.dim() > 0 else torch.stack(outputs)
+    if isinstance(first, dict):
+        return {k: _concatenate([o[k] for o in outputs]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_concatenate(list(items)) for items in zip(*outputs))
+    return outputs

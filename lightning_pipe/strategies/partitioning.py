@@ -1,0 +1,42 @@
+"""Turn the strategy's ``partition`` argument into stage boundaries over blocks."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_pipe.model.units import UnitLayout
+from lightning_pipe.planning.partition import balanced_partition, uniform_partition
+
+
+def unit_parameter_counts(module: nn.Module, layout: UnitLayout) -> list[int]:
+    """Number of parameter elements of every unit (pre, blocks..., post)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return [sum(params[n].numel() for n in names if n in params) for names in layout.unit_names]
+
+
+def initial_partition(spec: str | list[int], module: nn.Module, layout: UnitLayout, num_stages: int) -> tuple[int, ...]:
+    """Block boundaries ``[0, ..., num_blocks]`` for ``partition=spec``.
+
+    Raises:
+        ValueError: more stages than blocks, or an explicit list that does not fit the model.
+    """
+    num_blocks = layout.num_blocks
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"The pipeline has {num_stages} stages but `{layout.stack.path}` has only {num_blocks} blocks: every "
+            "stage needs at least one block. Lower `pipeline_parallel_size` (or the schedule's stages per rank)."
+        )
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != num_stages or any(n < 1 for n in spec) or sum(spec) != num_blocks:
+            raise ValueError(
+                f"`partition={list(spec)}` must list the number of blocks of each of the {num_stages} stages, "
+                f"each at least 1, summing to {num_blocks}."
+            )
+        boundaries = [0]
+        for count in spec:
+            boundaries.append(boundaries[-1] + count)
+        return tuple(boundaries)
+    if spec == "uniform":
+        return tuple(uniform_partition(num_blocks, num_stages))
+    counts = unit_parameter_counts(module, layout)
+    return tuple(balanced_partition(counts, num_stages))
