@@ -56,3 +56,13 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
                         new = nn.Parameter(new, requires_grad=tensor.requires_grad)
                     replaced[id(tensor)] = new
                 registry[name] = replaced[id(tensor)]
+
+
+def move_real_tensors(root: nn.Module, device: torch.device) -> None:
+    """Move every non-meta parameter and buffer to ``device`` (``Module.to`` fails on meta tensors)."""
+    shard_module_tensors = [(m, reg) for _, m in root.named_modules() for reg in (m._parameters, m._buffers)]
+    for _, registry in shard_module_tensors:
+        for name, tensor in registry.items():
+            if tensor is not None and tensor.device.type != "meta" and tensor.device != device:
+                moved = tensor.to(device)
+                registry[name] = nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved

@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -24,7 +25,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks, owned_units, shard_module
+from lightning_pipe.model import (
+    StageRunner,
+    StageSpan,
+    analyze_units,
+    find_blocks,
+    move_real_tensors,
+    owned_units,
+    shard_module,
+)
 from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
@@ -374,10 +383,6 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
         return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
 
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
     # --- checkpoints ----------------------------------------------------------------------------
 
     @override
@@ -425,9 +430,17 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """Release the stage runner and move what this rank holds to the CPU (meta tensors stay meta)."""
         if getattr(self, "runner", None) is not None:
             self.runner.remove()
-        super().teardown()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            move_real_tensors(self.lightning_module, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     @override

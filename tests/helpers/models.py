@@ -1,0 +1,128 @@
+"""Small LightningModules for tests, written as users write them (no pipeline code)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-LN causal attention + MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(L.LightningModule):
+    """A GPT with learned positions; ``tie`` ties the head to the token embedding."""
+
+    def __init__(
+        self,
+        vocab: int = 32,
+        dim: int = 16,
+        layers: int = 4,
+        heads: int = 2,
+        max_len: int = 64,
+        lr: float = 1e-2,
+        tie: bool = False,
+        optimizer: str = "adamw",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        logits = self(batch[:, :-1])
+        self.log("val_loss", F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)))
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch[:, :-1]).argmax(-1)
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+
+
+class ArgsBlock(nn.Module):
+    """A block taking extra arguments (mask, positions) and returning a tuple, as HF layers do."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.rotate = nn.Linear(dim, dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        h = self.ln(x) + torch.sin(position_ids.unsqueeze(-1).to(x.dtype) / 10.0) * self.rotate.weight[0]
+        y, _ = self.attn(h, h, h, attn_mask=attention_mask, need_weights=False)
+        x = x + y
+        x = x + torch.tanh(self.mlp(x))
+        return x, y.mean()
+
+
+class MaskedModel(L.LightningModule):
+    """Blocks with side inputs derived from the batch, tuple outputs, and a dict batch."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 4, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([ArgsBlock(dim) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        ids, labels = batch["input_ids"], batch["labels"]
+        T = ids.shape[1]
+        causal = torch.triu(torch.full((T, T), -math.inf, device=ids.device), diagonal=1).to(self.embed.weight.dtype)
+        positions = torch.arange(T, device=ids.device).expand_as(ids)
+        x = self.embed(ids) * batch["scale"].unsqueeze(-1).unsqueeze(-1)
+        for layer in self.layers:
+            x, _ = layer(x, causal, positions)
+        logits = self.out(self.norm(x))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        self.log("train_loss", loss)
+        self.log("tokens", float(ids.numel()), reduce_fx="sum")
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

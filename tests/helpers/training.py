@@ -1,0 +1,100 @@
+"""Run the same module with and without the pipeline strategy, for parity tests."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, Dataset
+
+
+class BatchDataset(Dataset):
+    """Each item is a whole batch (used with ``DataLoader(batch_size=None)``)."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.batches[index]
+
+
+def token_batches(num: int, batch_size: int, lengths: list[int] | int, vocab: int = 32, seed: int = 0) -> list:
+    """Random token batches ``[batch_size, T + 1]``; ``lengths`` gives each batch its own T."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [lengths] * num if isinstance(lengths, int) else lengths
+    return [torch.randint(0, vocab, (batch_size, lengths[i] + 1), generator=generator) for i in range(num)]
+
+
+SEED = 1234
+
+
+def reference_batches(batches: list, data_parallel: int, seed: int = SEED) -> list:
+    """What one process must see to match ``data_parallel`` replicas of a distributed run.
+
+    Lightning always gives the training loader of a distributed run a shuffling
+    ``DistributedSampler`` (seeded by ``seed_everything``); replica ``r`` takes every
+    ``data_parallel``-th index of the permutation. Step ``k`` of the single process gets the
+    replicas' batches of step ``k`` concatenated.
+    """
+    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
+    merged = []
+    for i in range(0, len(order), data_parallel):
+        group = [batches[j] for j in order[i : i + data_parallel]]
+        if isinstance(group[0], dict):
+            merged.append({k: torch.cat([b[k] for b in group]) for k in group[0]})
+        else:
+            merged.append(torch.cat(group))
+    return merged
+
+
+def fit(
+    make_model: Callable[[], L.LightningModule],
+    batches: list,
+    strategy: Any = "auto",
+    devices: int = 1,
+    steps: int = 3,
+    log_dir: Path | None = None,
+    precision: str = "64-true",
+    **trainer_kwargs: Any,
+) -> L.LightningModule:
+    """Seed, build, and fit; returns the trained module (whole, in this process)."""
+    L.seed_everything(SEED, verbose=False)
+    model = make_model()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        precision=precision,
+        logger=CSVLogger(log_dir, name="", version="") if log_dir else False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, DataLoader(BatchDataset(batches), batch_size=None))
+    return model
+
+
+def logged(log_dir: Path, name: str) -> list[float]:
+    """Values of ``name`` in a CSVLogger's metrics.csv, in step order."""
+    with open(log_dir / "metrics.csv") as f:
+        return [float(row[name]) for row in csv.DictReader(f) if row.get(name)]
+
+
+def assert_same_parameters(actual: torch.nn.Module, expected: torch.nn.Module, atol: float) -> None:
+    """Every parameter of ``actual`` equals ``expected``'s within ``atol`` (and they did change)."""
+    got, want = dict(actual.named_parameters()), dict(expected.named_parameters())
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].device.type != "meta", f"{name} was not gathered back"
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
