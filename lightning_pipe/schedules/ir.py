@@ -31,6 +31,7 @@ class ActionType(str, enum.Enum):
     OFFLOAD = "OFFLOAD"  # memory action: move saved activations to host memory
     RELOAD = "RELOAD"  # memory action: bring offloaded activations back
     STEP = "STEP"  # per-stage optimizer step (microbatch is None)
+    CUSTOM = "CUSTOM"  # user-registered instruction; ``Action.name`` says which (see instructions.py)
 
     @property
     def is_compute(self) -> bool:
@@ -41,6 +42,11 @@ class ActionType(str, enum.Enum):
     def is_communication(self) -> bool:
         """True for the four point-to-point kinds."""
         return self in _COMMUNICATION
+
+    @property
+    def is_backward(self) -> bool:
+        """True for ``B`` and ``I``: the actions that produce the gradient sent to the previous stage."""
+        return self in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT)
 
 
 _COMPUTE = frozenset({ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT})
@@ -55,15 +61,20 @@ class Action:
         stage: global stage index.
         type: what to do.
         microbatch: microbatch index, or None for actions that concern the whole step (``STEP``).
+        name: only for ``ActionType.CUSTOM``: the registered instruction's name (its text token),
+            None for every built-in kind. Added after the first three fields so that existing
+            positional construction and equality of built-in actions are unchanged.
     """
 
     stage: int
     type: ActionType
     microbatch: int | None = None
+    name: str | None = None
 
     def __str__(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)
-        return f"{self.stage}{self.type.value}{mb}"
+        token = self.name if self.type is ActionType.CUSTOM and self.name else self.type.value
+        return f"{self.stage}{token}{mb}"
 
 
 def F(stage: int, microbatch: int) -> Action:

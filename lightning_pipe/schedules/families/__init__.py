@@ -1,0 +1,15 @@
+"""Built-in schedule families, one module each; importing this package registers them all.
+
+Every family is a pure function ``(num_ranks, num_microbatches, **options) -> Program`` that decides
+the compute order of each rank; communication is added by
+:func:`lightning_pipe.schedules.lowering.build_program`.
+"""
+
+from .gpipe import gpipe
+from .interleaved_1f1b import interleaved_1f1b
+from .looped_bfs import looped_bfs
+from .one_f_one_b import one_f_one_b
+from .zb_h1 import zb_h1
+from .zbv import zbv
+
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"]

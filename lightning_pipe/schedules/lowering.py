@@ -1,0 +1,250 @@
+"""Lowering passes: stage placement, compute order -> full program with communication, forward-only.
+
+Generators (hand-written families and the DSL) only decide the *compute* order of every rank. The
+point-to-point actions are then derived here, once, from that order, so that every program follows
+CONVENTIONS.md the same way: a ``SEND`` right after the action that produced the tensor, a ``RECV``
+right before the action that consumes it, and, between every ordered pair of ranks, receives in
+exactly the order of the peer's sends (NCCL ignores tags, so order is the only thing that matches a
+receive with its send). When a rank consumes messages of one peer in another order than the peer
+sent them, the earlier-sent message is received early (just before the one that is needed). That
+never adds a wait: the peer issued it before the needed one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from .ir import Action, ActionType, Program
+
+__all__ = [
+    "PLACEMENTS",
+    "place_stages",
+    "build_program",
+    "insert_communication",
+    "forward_only",
+    "compute_only",
+    "Message",
+    "message_of",
+]
+
+#: Stage placement strategies understood by :func:`place_stages`.
+PLACEMENTS = ("one_to_one", "circular", "v_shape")
+
+
+def place_stages(placement: str, num_ranks: int, stages_per_rank: int = 1) -> tuple[int, ...]:
+    """Rank of every global stage for a named placement strategy (CONVENTIONS.md).
+
+    Args:
+        placement: ``"one_to_one"`` (stage s on rank s, needs ``stages_per_rank == 1``),
+            ``"circular"`` (stage s on rank ``s % num_ranks``: interleaved, looped BFS) or
+            ``"v_shape"`` (2 stages per rank; stage s on rank s going down, back up after).
+        num_ranks: number of pipeline ranks.
+        stages_per_rank: number of stages each rank holds.
+
+    Returns:
+        ``stage_to_rank`` tuple of length ``num_ranks * stages_per_rank``.
+
+    Raises:
+        ValueError: for an unknown placement or a count it cannot place.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if stages_per_rank < 1:
+        raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
+    num_stages = num_ranks * stages_per_rank
+    if placement == "one_to_one":
+        if stages_per_rank != 1:
+            raise ValueError(
+                f"placement 'one_to_one' puts exactly one stage on each rank, got stages_per_rank={stages_per_rank}; "
+                "use placement 'circular' or 'v_shape' for several stages per rank"
+            )
+        return tuple(range(num_ranks))
+    if placement == "circular":
+        return tuple(s % num_ranks for s in range(num_stages))
+    if placement == "v_shape":
+        if stages_per_rank != 2:
+            raise ValueError(f"placement 'v_shape' needs stages_per_rank=2, got stages_per_rank={stages_per_rank}")
+        return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages))
+    raise ValueError(f"unknown placement {placement!r}; valid placements: {', '.join(PLACEMENTS)}")
+
+
+class Message(NamedTuple):
+    """One point-to-point tensor: the activation or gradient crossing one stage boundary.
+
+    A named tuple rather than a dataclass: the validator and simulator build one per communication
+    action, and tuple construction is several times cheaper.
+
+    Attributes:
+        src_stage: stage that sends.
+        dst_stage: stage that receives (``src_stage + 1`` forward, ``src_stage - 1`` backward).
+        microbatch: microbatch it belongs to.
+    """
+
+    src_stage: int
+    dst_stage: int
+    microbatch: int
+
+    @property
+    def send(self) -> Action:
+        """The ``SEND_F``/``SEND_B`` action of the sending stage."""
+        kind = ActionType.SEND_F if self.dst_stage > self.src_stage else ActionType.SEND_B
+        return Action(self.src_stage, kind, self.microbatch)
+
+    @property
+    def recv(self) -> Action:
+        """The ``RECV_F``/``RECV_B`` action of the receiving stage."""
+        kind = ActionType.RECV_F if self.dst_stage > self.src_stage else ActionType.RECV_B
+        return Action(self.dst_stage, kind, self.microbatch)
+
+
+_ENDPOINTS = {
+    ActionType.SEND_F: (0, 1),
+    ActionType.RECV_F: (-1, 0),
+    ActionType.SEND_B: (0, -1),
+    ActionType.RECV_B: (1, 0),
+}
+
+
+def message_of(action: Action) -> Message:
+    """The message a communication action sends or receives.
+
+    Raises:
+        ValueError: if ``action`` is not one of the four point-to-point kinds.
+    """
+    offsets = _ENDPOINTS.get(action.type)
+    if offsets is None or action.microbatch is None:
+        raise ValueError(f"{action} is not a point-to-point action with a microbatch")
+    return Message(action.stage + offsets[0], action.stage + offsets[1], action.microbatch)
+
+
+def _needs(action: Action, stage_to_rank: Sequence[int]) -> Message | None:
+    """Message ``action`` must receive from another rank before it runs, if any."""
+    s, mb, last = action.stage, action.microbatch, len(stage_to_rank) - 1
+    if mb is None:
+        return None
+    if action.type is ActionType.FORWARD and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+        return Message(s - 1, s, mb)
+    if action.type.is_backward and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
+        return Message(s + 1, s, mb)
+    return None
+
+
+def _produces(action: Action, stage_to_rank: Sequence[int]) -> Message | None:
+    """Message ``action`` must send to another rank after it runs, if any."""
+    s, mb, last = action.stage, action.microbatch, len(stage_to_rank) - 1
+    if mb is None:
+        return None
+    if action.type is ActionType.FORWARD and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
+        return Message(s, s + 1, mb)
+    if action.type.is_backward and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+        return Message(s, s - 1, mb)
+    return None
+
+
+def insert_communication(
+    compute_orders: Sequence[Iterable[Action]], stage_to_rank: Sequence[int]
+) -> tuple[tuple[Action, ...], ...]:
+    """Add ``SEND``/``RECV`` actions to per-rank compute orders (CONVENTIONS.md).
+
+    Args:
+        compute_orders: per rank, its actions in execution order without communication (any
+            existing communication actions are dropped and re-derived).
+        stage_to_rank: rank of every global stage.
+
+    Returns:
+        Per-rank action tuples with communication, receives matched in order with the peer's sends.
+    """
+    orders = [[a for a in order if not a.type.is_communication] for order in compute_orders]
+    rank_of = tuple(stage_to_rank)
+    # What each rank sends to each peer, in send order.
+    sent: dict[tuple[int, int], list[Message]] = {}
+    for rank, order in enumerate(orders):
+        for action in order:
+            message = _produces(action, rank_of)
+            if message is not None:
+                sent.setdefault((rank, rank_of[message.dst_stage]), []).append(message)
+    position = {pair: 0 for pair in sent}
+    result: list[tuple[Action, ...]] = []
+    for rank, order in enumerate(orders):
+        received: set[Message] = set()
+        out: list[Action] = []
+        for action in order:
+            message = _needs(action, rank_of)
+            if message is not None and message not in received:
+                pair = (rank_of[message.src_stage], rank)
+                queue = sent.get(pair, [])
+                # Receive, in the peer's send order, everything it sent before the needed message.
+                while position.get(pair, 0) < len(queue):
+                    early = queue[position[pair]]
+                    position[pair] += 1
+                    out.append(early.recv)
+                    received.add(early)
+                    if early == message:
+                        break
+                if message not in received:  # never sent: keep the receive; validate() reports it
+                    out.append(message.recv)
+                    received.add(message)
+            out.append(action)
+            produced = _produces(action, rank_of)
+            if produced is not None:
+                out.append(produced.send)
+        result.append(tuple(out))
+    return tuple(result)
+
+
+def build_program(
+    name: str,
+    num_microbatches: int,
+    stage_to_rank: Sequence[int],
+    compute_orders: Sequence[Iterable[Action]],
+) -> Program:
+    """Program from per-rank compute orders: communication inserted, nothing validated.
+
+    Args:
+        name: family or spec name for display.
+        num_microbatches: microbatches per step.
+        stage_to_rank: rank of every global stage.
+        compute_orders: per rank, compute (and custom/memory) actions in execution order.
+
+    Returns:
+        The program; run :func:`lightning_pipe.schedules.validate` on it to check it.
+    """
+    placement = tuple(stage_to_rank)
+    return Program(
+        name=name,
+        num_stages=len(placement),
+        num_microbatches=num_microbatches,
+        stage_to_rank=placement,
+        actions=insert_communication(compute_orders, placement),
+    )
+
+
+_FORWARD_KINDS = frozenset({ActionType.FORWARD, ActionType.SEND_F, ActionType.RECV_F})
+
+
+def forward_only(program: Program) -> Program:
+    """The forward part of a program, for validation and prediction (no backward, no weights).
+
+    Keeps ``F``, ``SEND_F`` and ``RECV_F`` in their original order on every rank. The forward
+    messages keep their relative order on both sides, so the result stays matched and deadlock
+    free whenever the original program was.
+
+    Args:
+        program: a training program.
+
+    Returns:
+        A program named ``"<name>/forward_only"`` with the same placement.
+    """
+    return Program(
+        name=f"{program.name}/forward_only",
+        num_stages=program.num_stages,
+        num_microbatches=program.num_microbatches,
+        stage_to_rank=program.stage_to_rank,
+        actions=tuple(tuple(a for a in rank if a.type in _FORWARD_KINDS) for rank in program.actions),
+    )
+
+
+def compute_only(program: Program) -> tuple[tuple[Action, ...], ...]:
+    """Per-rank actions without the point-to-point ones (torch's "compute_only" CSV format)."""
+    return tuple(tuple(a for a in rank if not a.type.is_communication) for rank in program.actions)

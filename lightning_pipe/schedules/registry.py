@@ -1,0 +1,223 @@
+"""Schedule registry: family names -> generator functions, and the :class:`Schedule` handle.
+
+A *family* is a pure function ``(num_ranks, num_microbatches, **options) -> Program``. Families
+register themselves by name (``families/``); users may register their own. :class:`Schedule` is what
+the strategy holds: it knows how many stages per rank the model must be cut into
+(``num_stages = num_ranks * stages_per_rank``) before any program is built, and builds the program
+for a given pipeline size and microbatch count.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ir import Program
+
+__all__ = [
+    "Schedule",
+    "ScheduleFamily",
+    "register_schedule",
+    "available_schedules",
+    "get_family",
+    "resolve_schedule",
+]
+
+ScheduleFunction = Callable[..., Program]
+
+
+@dataclass(frozen=True)
+class ScheduleFamily:
+    """A registered generator and what the registry needs to know about it.
+
+    Attributes:
+        name: registry key (lower case).
+        function: ``(num_ranks, num_microbatches, **options) -> Program``.
+        stages_per_rank: stages per rank when the options do not say otherwise.
+        accepts_stages_per_rank: True when ``function`` takes a ``stages_per_rank`` option.
+    """
+
+    name: str
+    function: ScheduleFunction
+    stages_per_rank: int = 1
+    accepts_stages_per_rank: bool = False
+
+
+_FAMILIES: dict[str, ScheduleFamily] = {}
+
+
+def register_schedule(
+    name: str,
+    fn: ScheduleFunction,
+    *,
+    stages_per_rank: int = 1,
+    overwrite: bool = False,
+) -> ScheduleFunction:
+    """Register a schedule family under ``name``.
+
+    Args:
+        name: lower-case name used in configs (``"1f1b"``).
+        fn: pure function ``(num_ranks, num_microbatches, **options) -> Program``. If it has a
+            ``stages_per_rank`` parameter, its default there is used as the family's default.
+        stages_per_rank: stages per rank for families without that parameter.
+        overwrite: replace an existing family of that name.
+
+    Returns:
+        ``fn`` unchanged, so this can be used as a decorator helper.
+
+    Raises:
+        ValueError: if the name is not lower case or is already taken and ``overwrite`` is False.
+    """
+    if name != name.lower() or not name:
+        raise ValueError(f"schedule names are lower case, got {name!r}")
+    if name in _FAMILIES and not overwrite and _FAMILIES[name].function is not fn:
+        raise ValueError(f"schedule {name!r} is already registered; pass overwrite=True to replace it")
+    parameter = inspect.signature(fn).parameters.get("stages_per_rank")
+    accepts = parameter is not None
+    if accepts and parameter.default is not inspect.Parameter.empty:
+        stages_per_rank = int(parameter.default)
+    _FAMILIES[name] = ScheduleFamily(name, fn, stages_per_rank, accepts)
+    return fn
+
+
+def available_schedules() -> tuple[str, ...]:
+    """Names of the registered families, sorted."""
+    return tuple(sorted(_FAMILIES))
+
+
+def get_family(name: str) -> ScheduleFamily:
+    """The registered family ``name``.
+
+    Raises:
+        ValueError: listing the valid names.
+    """
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown schedule {name!r}; valid names: {', '.join(available_schedules())} "
+            "(or a DSL spec such as 'placement=circular stages_per_rank=2')"
+        ) from None
+
+
+class _Options(Mapping[str, Any]):
+    """Read-only, hashable mapping of family options (so :class:`Schedule` stays hashable)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        self._data = dict(data or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, repr(v)) for k, v in self._data.items())))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._data) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule family with its options: what the strategy holds and asks for programs.
+
+    Attributes:
+        name: registered family name (``"dsl"`` for DSL specs).
+        stages_per_rank: stages each rank holds; the strategy partitions the model into
+            ``num_ranks * stages_per_rank`` stages.
+        options: keyword options passed to the family function (read-only).
+    """
+
+    name: str
+    stages_per_rank: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", _Options(self.options))
+        if self.stages_per_rank < 1:
+            raise ValueError(f"stages_per_rank must be >= 1, got {self.stages_per_rank}")
+
+    def num_stages(self, num_ranks: int) -> int:
+        """Number of stages the model is cut into on ``num_ranks`` pipeline ranks."""
+        return num_ranks * self.stages_per_rank
+
+    def build(self, num_ranks: int, num_microbatches: int) -> Program:
+        """Build the program of this schedule for ``num_ranks`` ranks and ``num_microbatches``.
+
+        Raises:
+            ValueError: from the family when the sizes or options do not fit it.
+        """
+        family = get_family(self.name)
+        options = dict(self.options)
+        if family.accepts_stages_per_rank:
+            options["stages_per_rank"] = self.stages_per_rank
+        program = family.function(num_ranks, num_microbatches, **options)
+        expected = num_ranks * self.stages_per_rank
+        if program.num_stages != expected:
+            raise ValueError(
+                f"schedule {self.name!r} built {program.num_stages} stages but Schedule.stages_per_rank="
+                f"{self.stages_per_rank} promises {expected} on {num_ranks} ranks"
+            )
+        return program
+
+
+def _schedule_for_family(name: str, options: Mapping[str, Any]) -> Schedule:
+    family = get_family(name)
+    options = dict(options)
+    stages_per_rank = int(options.pop("stages_per_rank", family.stages_per_rank))
+    if not family.accepts_stages_per_rank and stages_per_rank != family.stages_per_rank:
+        raise ValueError(
+            f"schedule {name!r} always uses stages_per_rank={family.stages_per_rank}, got stages_per_rank={stages_per_rank}"
+        )
+    return Schedule(name, stages_per_rank, options)
+
+
+def resolve_schedule(spec: Any) -> Schedule:
+    """Turn what a user wrote into a :class:`Schedule`.
+
+    Args:
+        spec: a family name (``"1f1b"``), a :class:`Schedule`, a DSL spec as text
+            (``"placement=circular stages_per_rank=2 priority=backward_first"``), a DSL dict
+            (``{"placement": "circular", ...}``), a :class:`~lightning_pipe.schedules.dsl.ScheduleSpec`,
+            or a family with options as a dict (``{"name": "interleaved_1f1b", "stages_per_rank": 4}``).
+
+    Returns:
+        The schedule; nothing is built yet.
+
+    Raises:
+        ValueError: for an unknown name (listing the valid ones) or an invalid DSL spec.
+        TypeError: for anything else.
+    """
+    if isinstance(spec, Schedule):
+        return spec
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.lower() in _FAMILIES:
+            return _schedule_for_family(text.lower(), {})
+        if "=" not in text:
+            get_family(text)  # raises with the valid names
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("name", None) or options.pop("family", None)
+        if name is not None and name != "dsl":
+            return _schedule_for_family(str(name).lower(), options)
+        spec = options
+    from . import dsl  # local import: the DSL registers itself here as the family "dsl"
+
+    if isinstance(spec, (str, Mapping, dsl.ScheduleSpec)):
+        return dsl.parse_spec(spec).to_schedule()
+    raise TypeError(
+        f"schedule must be a family name, a Schedule, a DSL spec string or dict, got {type(spec).__name__}: {spec!r}"
+    )

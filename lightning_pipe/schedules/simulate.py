@@ -1,0 +1,236 @@
+"""Discrete-event simulator: how long a program takes, how idle each rank is, how much memory it holds.
+
+Each rank runs its actions in order. A compute action takes its cost from :class:`ActionCosts`
+(``RECOMPUTE`` costs a forward; a registered instruction costs its ``seconds``). A send takes no
+time on the sender; the matching receive completes at ``max(issue time, send time + transfer)``.
+Memory is accounted per rank as static bytes plus the saved activations alive: a stage's saved
+bytes for a microbatch are held from its ``F`` until its ``B`` (until ``W`` for zero-bubble), not
+while offloaded (between ``OFFLOAD`` and ``RELOAD``), and, for pairs that have a ``RECOMPUTE``, only
+from the ``RECOMPUTE`` on. Limits: no compute/communication overlap model beyond non-blocking
+sends, no link contention, memory as a count of bytes (no fragmentation, no workspace).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .costs import ActionCosts
+from .instructions import get_instruction, is_registered_instruction
+from .ir import Action, ActionType, Program
+from .lowering import Message, message_of
+from .validate import ScheduleError, format_grid
+
+__all__ = ["TimedAction", "SimulationResult", "simulate"]
+
+_SEND = (ActionType.SEND_F, ActionType.SEND_B)
+_RECV = (ActionType.RECV_F, ActionType.RECV_B)
+_RELEASE = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One action placed in time: what the simulator produces and what a real run records.
+
+    Attributes:
+        rank: pipeline rank that ran it.
+        action: the action.
+        start: seconds since the step started.
+        end: seconds since the step started (``end - start`` includes a receive's wait).
+    """
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        """``end - start`` in seconds."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What one simulated step of a program looks like.
+
+    Attributes:
+        name: the program's name.
+        num_ranks: pipeline ranks.
+        makespan: seconds from the first action to the last one finishing.
+        busy: per rank, seconds spent computing (communication waits are not busy).
+        idle: per rank, ``makespan - busy``.
+        bubble_ratio: ``sum(idle) / (num_ranks * makespan)``, 0 for an empty program.
+        peak_memory: per rank, static bytes plus the peak of saved activation bytes alive.
+        max_in_flight: per rank, the peak number of (stage, microbatch) pairs whose forward ran and
+            whose backward (``B``, or ``W`` for zero-bubble) did not yet; equals microbatches for
+            one stage per rank.
+        critical_path: the chain of actions, each waiting on the previous one, that ends last.
+        events: every action with its start and end, rank by rank in program order.
+    """
+
+    name: str
+    num_ranks: int
+    makespan: float
+    busy: tuple[float, ...]
+    idle: tuple[float, ...]
+    bubble_ratio: float
+    peak_memory: tuple[float, ...]
+    max_in_flight: tuple[int, ...]
+    critical_path: tuple[Action, ...]
+    events: tuple[TimedAction, ...]
+
+
+def _check_costs(program: Program, costs: ActionCosts) -> None:
+    if costs.num_stages < program.num_stages or costs.num_microbatches < program.num_microbatches:
+        raise ValueError(
+            f"costs cover {costs.num_stages} stages x {costs.num_microbatches} microbatches but program "
+            f"{program.name!r} has {program.num_stages} x {program.num_microbatches}; build costs for "
+            f"num_stages={program.num_stages}, num_microbatches={program.num_microbatches}"
+        )
+
+
+def _duration(action: Action, costs: ActionCosts) -> float:
+    s, mb, kind = action.stage, action.microbatch, action.type
+    if kind in (ActionType.FORWARD, ActionType.RECOMPUTE):
+        return costs.forward[s][mb]
+    if kind is ActionType.BACKWARD:
+        return costs.backward[s][mb]
+    if kind is ActionType.BACKWARD_INPUT:
+        return costs.input_gradient(s, mb)
+    if kind is ActionType.BACKWARD_WEIGHT:
+        return costs.weight_gradient(s, mb)
+    if kind is ActionType.CUSTOM and action.name and is_registered_instruction(action.name):
+        return get_instruction(action.name).seconds
+    return 0.0
+
+
+def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> tuple[float, int]:
+    """Peak bytes (static + saved) and peak in-flight pairs of one rank, from its action order."""
+    static = sum(costs.static_bytes[s] for s in program.stages_of(rank)) if costs.static_bytes else 0.0
+    recomputed = {(a.stage, a.microbatch) for a in program.actions[rank] if a.type is ActionType.RECOMPUTE}
+    held: dict[tuple[int, int | None], float] = {}
+    offloaded: dict[tuple[int, int | None], float] = {}
+    alive = peak = 0.0
+    in_flight = max_in_flight = 0
+    for a in program.actions[rank]:
+        key = (a.stage, a.microbatch)
+        saved = costs.saved_bytes[a.stage][a.microbatch] if costs.saved_bytes and a.microbatch is not None else 0.0
+        if a.type is ActionType.FORWARD and training:
+            in_flight += 1
+            if key not in recomputed:
+                held[key] = saved
+                alive += saved
+        elif a.type is ActionType.RECOMPUTE:
+            alive += saved - held.get(key, 0.0)
+            held[key] = saved
+        elif a.type in _RELEASE:
+            in_flight -= 1
+            alive -= held.pop(key, 0.0)
+        elif a.type is ActionType.OFFLOAD and key in held:
+            offloaded[key] = held.pop(key)
+            alive -= offloaded[key]
+        elif a.type is ActionType.RELOAD and key in offloaded:
+            held[key] = offloaded.pop(key)
+            alive += held[key]
+        peak = max(peak, alive)
+        max_in_flight = max(max_in_flight, in_flight)
+    return static + peak, max_in_flight
+
+
+def simulate(program: Program, costs: ActionCosts) -> SimulationResult:
+    """Simulate one step of ``program`` with per-action ``costs``.
+
+    Does not check the program (run :func:`lightning_pipe.schedules.validate` for that) except
+    that it must finish: a receive whose send never comes is reported as a deadlock.
+
+    Args:
+        program: what every rank runs.
+        costs: seconds and bytes per stage and microbatch; must cover the program's stages.
+
+    Returns:
+        Makespan, per-rank busy/idle time, bubble ratio, peak memory, in-flight peak, critical
+        path and the timed events.
+
+    Raises:
+        ValueError: if ``costs`` do not cover the program.
+        ScheduleError: if some rank waits forever on a receive.
+    """
+    _check_costs(program, costs)
+    num_ranks = program.num_ranks
+    clock = [0.0] * num_ranks
+    pointer = [0] * num_ranks
+    busy = [0.0] * num_ranks
+    last_event = [-1] * num_ranks
+    events: list[TimedAction] = []
+    predecessor: list[int] = []
+    send_event: dict[Message, int] = {}
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(program.actions):
+            while pointer[rank] < len(actions):
+                action = actions[pointer[rank]]
+                start = clock[rank]
+                before = last_event[rank]
+                if action.type in _RECV:
+                    message = message_of(action)
+                    sender = send_event.get(message)
+                    if sender is None:
+                        break
+                    boundary = min(message.src_stage, message.dst_stage)
+                    arrival = events[sender].end + costs.transfer(boundary, message.microbatch)
+                    end = max(start, arrival)
+                    if arrival > start:
+                        before = sender
+                else:
+                    end = start + _duration(action, costs)
+                    busy[rank] += end - start
+                if action.type in _SEND:
+                    send_event[message_of(action)] = len(events)
+                predecessor.append(before)
+                last_event[rank] = len(events)
+                events.append(TimedAction(rank, action, start, end))
+                clock[rank] = end
+                pointer[rank] += 1
+                progress = True
+    blocked = [r for r in range(num_ranks) if pointer[r] < len(program.actions[r])]
+    if blocked:
+        rank = blocked[0]
+        waits = ", ".join(f"rank {r} waits on {program.actions[r][pointer[r]]}" for r in blocked)
+        raise ScheduleError(
+            f"simulation cannot finish: {waits}",
+            rule="deadlock",
+            rank=rank,
+            step=pointer[rank],
+            action=program.actions[rank][pointer[rank]],
+            grid=format_grid(program.actions, mark=(rank, pointer[rank]), window=12),
+        )
+    makespan = max((e.end for e in events), default=0.0)
+    idle = tuple(makespan - b for b in busy)
+    bubble = sum(idle) / (num_ranks * makespan) if makespan > 0 else 0.0
+    training = any(a.type.is_backward for actions in program.actions for a in actions)
+    memory = [_memory(program, r, costs, training) for r in range(num_ranks)]
+    return SimulationResult(
+        name=program.name,
+        num_ranks=num_ranks,
+        makespan=makespan,
+        busy=tuple(busy),
+        idle=idle,
+        bubble_ratio=bubble,
+        peak_memory=tuple(m for m, _ in memory),
+        max_in_flight=tuple(n for _, n in memory),
+        critical_path=_critical_path(events, predecessor),
+        events=tuple(events),
+    )
+
+
+def _critical_path(events: Sequence[TimedAction], predecessor: Sequence[int]) -> tuple[Action, ...]:
+    if not events:
+        return ()
+    index = max(range(len(events)), key=lambda i: (events[i].end, -i))
+    path = []
+    while index >= 0:
+        path.append(events[index].action)
+        index = predecessor[index]
+    return tuple(reversed(path))
