@@ -40,6 +40,7 @@ from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
 from lightning_pipe.strategies import _lightning_compat as compat
+from lightning_pipe.strategies import checkpointing
 from lightning_pipe.strategies.partitioning import initial_partition
 from lightning_pipe.strategies.precision import install_global_norm_clipping
 
@@ -383,50 +384,22 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
         return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
 
-    # --- checkpoints ----------------------------------------------------------------------------
+    # --- checkpoints (see checkpointing.py) ----------------------------------------------------
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict (every stage's tensors) on global rank 0; empty elsewhere."""
-        module = self.lightning_module
-        local = {k: v.detach().cpu() for k, v in module.state_dict().items() if v.device.type != "meta"}
-        return self._gather_on_rank_zero(local, order=list(module.state_dict().keys()))
+        """The full state dict (every stage's tensors, the module's own names) on global rank 0."""
+        return checkpointing.full_module_state(self)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's complete state (every stage's entries) on global rank 0, in torch's format.
-
-        Every rank's optimizer holds all parameters in the same order (meta ones never get state),
-        so per-parameter indices agree with a single-process optimizer's and the result loads there.
-        """
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        state = optimizer.state_dict()
-        local = {index: _to_cpu(value) for index, value in state["state"].items()}
-        merged = self._gather_on_rank_zero(local, order=None)
-        return {"state": merged, "param_groups": state["param_groups"]} if self.global_rank == 0 else {}
-
-    def _gather_on_rank_zero(self, local: dict, order: list | None) -> dict:
-        if self.layout.data_parallel_rank != 0:
-            return {}
-        parts = collectives.gather_objects(local, self.layout.pipeline_ranks()[0], self.groups.pipeline)
-        if self.global_rank != 0 or parts is None:
-            return {}
-        merged: dict = {}
-        for part in parts:
-            merged.update(part)
-        keys = order if order is not None else sorted(merged)
-        return {k: merged[k] for k in keys if k in merged}
+        """The optimizer's complete state (every stage's entries) on global rank 0, in torch's format."""
+        return checkpointing.full_optimizer_state(self, optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Load each optimizer's state, keeping only the entries of parameters this rank owns."""
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            owned = {i for i, p in enumerate(params) if p.device.type != "meta"}
-            optimizer.load_state_dict(
-                {"state": {i: v for i, v in state["state"].items() if i in owned}, "param_groups": state["param_groups"]}
-            )
+        checkpointing.load_owned_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
 
     @override
     def teardown(self) -> None:
@@ -448,14 +421,6 @@ class ElasticPipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "elastic_pipe", cls, description="Pipeline parallelism for unchanged LightningModules (lightning-pipe)"
         )
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
 
 
 def _concatenate(outputs: list[Any]) -> Any:
