@@ -1,0 +1,76 @@
+"""Finding blocks and units, and sharding, on plain modules (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.model import (
+    StageRunner,
+    StageSpan,
+    analyze_units,
+    find_blocks,
+    owned_units,
+    real_parameter_bytes,
+    shard_module,
+)
+from tests.helpers.models import MaskedModel, TinyGPT
+
+
+def test_finds_the_largest_stack_and_assigns_pre_and_post():
+    model = TinyGPT(layers=3)
+    stack = find_blocks(model)
+    assert stack.path == "blocks" and stack.num_blocks == 3
+    layout = analyze_units(model, stack)
+    assert layout.unit_names[0] == ("wte.weight", "wpe.weight")
+    assert layout.unit_names[-1] == ("ln_f.weight", "ln_f.bias", "head.weight")
+    assert all(name.startswith("blocks.1.") for name in layout.unit_names[2])
+    assert layout.tied == ()
+
+
+def test_tied_embeddings_belong_to_pre_and_post():
+    layout = analyze_units(model := TinyGPT(tie=True), find_blocks(model))
+    assert layout.tied == (("wte.weight", "head.weight"),)
+    assert "wte.weight" in layout.unit_names[0] and "head.weight" in layout.unit_names[-1]
+
+
+def test_named_blocks_and_clear_errors():
+    model = MaskedModel()
+    assert find_blocks(model, "layers").num_blocks == 4
+    with pytest.raises(ValueError, match="names no submodule"):
+        find_blocks(model, "model.missing")
+    with pytest.raises(ValueError, match="must be a non-empty"):
+        find_blocks(model, "embed")
+    with pytest.raises(ValueError, match="blocks='dotted.path.to.layers'"):
+        find_blocks(nn.Linear(2, 2))
+
+
+def test_sharding_keeps_only_owned_units_real():
+    model = TinyGPT(layers=4)
+    layout = analyze_units(model, find_blocks(model))
+    total = real_parameter_bytes(model)
+    shard_module(model, layout, owned_units((0, 2, 4), [1]), torch.device("cpu"))  # last of 2 stages
+    real = {n for n, p in model.named_parameters() if not p.is_meta}
+    assert real == {n for unit in (3, 4, 5) for n in layout.unit_names[unit]}
+    assert real_parameter_bytes(model) < total / 2
+
+
+def test_single_stage_run_equals_the_plain_step():
+    model = TinyGPT(layers=2).double()
+    model.log = lambda *a, **k: None
+    batch = torch.randint(0, 32, (2, 7))
+    runner = StageRunner(model, find_blocks(model))
+    result = runner.run("training_step", (batch, 0), StageSpan(0, 0, 2, 2))
+    runner.remove()
+    torch.testing.assert_close(result.step_output, model.training_step(batch, 0))
+    assert "forward" not in model.blocks[0].__dict__  # wrappers removed
+
+
+def test_first_stage_cuts_the_step_after_its_last_block():
+    model = TinyGPT(layers=4)
+    batch = torch.randint(0, 32, (2, 5))
+    runner = StageRunner(model, find_blocks(model))
+    result = runner.run("training_step", (batch, 0), StageSpan(0, 0, 2, 4))
+    assert result.step_output is None and len(result.outputs) == 1
+    assert result.outputs[0].shape == (2, 4, 16) and result.outputs[0].requires_grad

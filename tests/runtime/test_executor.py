@@ -1,0 +1,68 @@
+"""The executor on real gloo process groups, without Lightning's loop.
+
+Microbatches of one step have different sequence lengths: nothing is sized from the first one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks, owned_units, shard_module
+from lightning_pipe.runtime import PipelineExecutor, PointToPoint, StepWork
+from lightning_pipe.schedules import resolve_schedule
+from tests.helpers.models import TinyGPT
+
+LENGTHS = [3, 11, 6, 8]  # one sequence length per microbatch
+BOUNDARIES = (0, 1, 4)  # 2 stages: block 0 | blocks 1-3
+
+
+def _microbatches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 32, (2, t + 1), generator=generator) for t in LENGTHS]
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(layers=4).double()
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = _model()
+        model.log = lambda *args, **kwargs: None  # no trainer attached
+        stack = find_blocks(model)
+        program = resolve_schedule(schedule).build(world, len(LENGTHS))
+        stages = program.stages_of(rank)
+        shard_module(model, analyze_units(model, stack), owned_units(BOUNDARIES, stages), torch.device("cpu"))
+        spans = {s: StageSpan(s, BOUNDARIES[s], BOUNDARIES[s + 1], stack.num_blocks) for s in stages}
+        executor = PipelineExecutor(StageRunner(model, stack), PointToPoint(), list(range(world)), rank, torch.device("cpu"))
+        work = StepWork("training_step", [(mb, 0) for mb in _microbatches()], [1.0] * len(LENGTHS))
+        outcome = executor.run(program, spans, work)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "losses": outcome.losses}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_variable_length_microbatches_match_single_process(tmp_path):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "1f1b"), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    reference = _model()
+    reference.log = lambda *args, **kwargs: None
+    losses = [reference.training_step(mb, 0) for mb in _microbatches()]
+    torch.stack(losses).sum().backward()
+
+    got = parts[0]["grads"] | parts[1]["grads"]
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-12, rtol=0)
+    assert sorted(parts[1]["losses"]) == list(range(len(LENGTHS)))
+    torch.testing.assert_close(torch.stack([parts[1]["losses"][i] for i in range(4)]), torch.stack(losses).detach())
