@@ -37,7 +37,10 @@ from lightning_pipe.model import (
 from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
+from lightning_pipe.planning.boundaries import check_boundaries
+from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe.runtime.migration import MigrationReport, migrate, plan_transfers
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
 from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies import checkpointing
@@ -101,6 +104,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.boundaries: tuple[int, ...] = ()
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
+        self.last_migration: MigrationReport | None = None
 
     # --- sizes and ranks -----------------------------------------------------------------------
 
@@ -208,31 +212,70 @@ class ElasticPipelineStrategy(ParallelStrategy):
         stack = find_blocks(module, self._blocks)
         self.unit_layout = analyze_units(module, stack)
         num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
-        self.boundaries = initial_partition(self._partition_spec, module, self.unit_layout, num_stages)
-        self.program = self.schedule.build(self.pipeline_parallel_size, self.num_microbatches)
-        validate(self.program)
-        self.eval_program: Program = forward_only(self.program)
-        pipeline_rank = self.layout.pipeline_rank
-        my_stages = self.program.stages_of(pipeline_rank)
-        shard_module(module, self.unit_layout, owned_units(self.boundaries, my_stages), self.root_device)
-        self.spans = {
-            s: StageSpan(s, self.boundaries[s], self.boundaries[s + 1], stack.num_blocks) for s in my_stages
-        }
+        boundaries = initial_partition(self._partition_spec, module, self.unit_layout, num_stages)
+        self._install(PipelinePlan(boundaries, self.schedule, self.num_microbatches))
+        owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
+        shard_module(module, self.unit_layout, owned, self.root_device)
         self.runner = StageRunner(module, stack)
         self.executor = PipelineExecutor(
             self.runner,
             PointToPoint(self.groups.pipeline),
             self.layout.pipeline_ranks(),
-            pipeline_rank,
+            self.layout.pipeline_rank,
             self.root_device,
         )
         self._tied = self._tied_parameters()
+
+    def _install(self, plan: PipelinePlan) -> None:
+        """Make ``plan`` the current one: schedule, program, stage spans (no tensors move here)."""
+        schedule = resolve_schedule(plan.schedule)
+        num_blocks = self.unit_layout.num_blocks
+        num_stages = self.pipeline_parallel_size * schedule.stages_per_rank
+        boundaries = check_boundaries(plan.boundaries, num_blocks, num_stages)
+        program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
+        validate(program)
+        self.schedule, self.program, self.boundaries = schedule, program, boundaries
+        self.eval_program: Program = forward_only(program)
+        self._num_microbatches = plan.num_microbatches
+        self.spans = {
+            s: StageSpan(s, boundaries[s], boundaries[s + 1], num_blocks)
+            for s in program.stages_of(self.layout.pipeline_rank)
+        }
         log.info(
-            "rank %d: pipeline rank %d of %d, stages %s, blocks %s, schedule %s, %d microbatches",
-            self.global_rank, pipeline_rank, self.pipeline_parallel_size, my_stages,
-            [(self.boundaries[s], self.boundaries[s + 1]) for s in my_stages], self.schedule.name,
-            self.num_microbatches,
+            "rank %d: pipeline rank %d of %d runs stages %s (blocks %s), schedule %s, %d microbatches",
+            self.global_rank, self.layout.pipeline_rank, self.pipeline_parallel_size, list(self.spans),
+            [(span.first_block, span.end_block) for span in self.spans.values()], schedule.name,
+            plan.num_microbatches,
         )
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The plan the next step runs with."""
+        return PipelinePlan(self.boundaries, self.schedule, self.num_microbatches)
+
+    def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
+        """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.
+
+        Call it on every rank with the same plan, between optimizer steps (for example from a
+        callback's ``on_train_batch_start``). Parameters, gradients of an open accumulation window and
+        optimizer state move with their units; results do not change.
+
+        Returns:
+            What this rank moved (no transfers when only the schedule's order or microbatches changed).
+        """
+        pipeline_size = self.pipeline_parallel_size
+        old_owners = _unit_owners(self.boundaries, self.program, pipeline_size, self.unit_layout.num_units)
+        self._install(plan)
+        new_owners = _unit_owners(self.boundaries, self.program, pipeline_size, self.unit_layout.num_units)
+        transfers = plan_transfers(old_owners, new_owners)
+        keep = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
+        report = migrate(
+            self.lightning_module, self.unit_layout, transfers, keep, self.layout.pipeline_rank,
+            self.layout.pipeline_ranks(), self.groups.pipeline, self.optimizers, self.root_device,
+        )
+        self._tied = self._tied_parameters()
+        self.last_migration = report
+        return report
 
     def _tied_parameters(self) -> list[Tensor]:
         """Real tied parameters that exist on two ranks (the pipeline's two ends)."""
@@ -421,6 +464,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "elastic_pipe", cls, description="Pipeline parallelism for unchanged LightningModules (lightning-pipe)"
         )
+
+
+def _unit_owners(boundaries: tuple[int, ...], program: Program, pipeline_size: int, num_units: int) -> list[set[int]]:
+    """Per unit, the pipeline ranks that hold it."""
+    owners: list[set[int]] = [set() for _ in range(num_units)]
+    for rank in range(pipeline_size):
+        for unit in owned_units(boundaries, program.stages_of(rank)):
+            owners[unit].add(rank)
+    return owners
 
 
 def _concatenate(outputs: list[Any]) -> Any:

@@ -5,50 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_pipe.model.units import UnitLayout
-
-
-def uniform_partition(num_blocks: int, num_stages: int) -> list[int]:
-    """Boundaries giving every stage ``num_blocks // num_stages`` blocks, earlier stages one more."""
-    base, extra = divmod(num_blocks, num_stages)
-    boundaries = [0]
-    for stage in range(num_stages):
-        boundaries.append(boundaries[-1] + base + (1 if stage < extra else 0))
-    return boundaries
-
-
-def balanced_partition(unit_weights: list[int], num_stages: int) -> list[int]:
-    """Block boundaries minimizing the heaviest stage (pre counted on the first, post on the last).
-
-    Exact dynamic program over contiguous splits; ties go to the most uniform split.
-    """
-    pre, blocks, post = unit_weights[0], unit_weights[1:-1], unit_weights[-1]
-    n = len(blocks)
-    prefix = [0]
-    for w in blocks:
-        prefix.append(prefix[-1] + w)
-
-    def weight(stage: int, start: int, end: int) -> int:
-        extra = (pre if stage == 0 else 0) + (post if stage == num_stages - 1 else 0)
-        return prefix[end] - prefix[start] + extra
-
-    # best[k][i]: (heaviest stage, spread) for blocks[:i] in k stages; choice[k][i]: start of stage k-1
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0, 0)
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                if best[k - 1][j] == inf:
-                    continue
-                w = weight(k - 1, j, i)
-                candidate = (max(best[k - 1][j][0], w), best[k - 1][j][1] + (i - j - n / num_stages) ** 2)
-                if candidate < best[k][i]:
-                    best[k][i], choice[k][i] = candidate, j
-    boundaries = [n]
-    for k in range(num_stages, 0, -1):
-        boundaries.append(choice[k][boundaries[-1]])
-    return boundaries[::-1]
+from lightning_pipe.planning.boundaries import balanced_partition, uniform_partition
 
 
 def unit_parameter_counts(module: nn.Module, layout: UnitLayout) -> list[int]:
@@ -82,4 +39,4 @@ def initial_partition(spec: str | list[int], module: nn.Module, layout: UnitLayo
     if spec == "uniform":
         return tuple(uniform_partition(num_blocks, num_stages))
     counts = unit_parameter_counts(module, layout)
-    return tuple(balanced_partition(counts, num_stages))
+    return tuple(balanced_partition(counts[1:-1], num_stages, first_weight=counts[0], last_weight=counts[-1]))

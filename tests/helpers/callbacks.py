@@ -1,0 +1,33 @@
+"""Callbacks used by tests to force plan changes."""
+
+from __future__ import annotations
+
+import random
+
+import lightning as L
+
+from lightning_pipe.planning.boundaries import random_partition
+from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.schedules import resolve_schedule
+
+
+class RandomPlans(L.Callback):
+    """Before every batch, switch to a random partition (and schedule from ``schedules``).
+
+    Every rank draws the same plan: the generator is seeded by the batch index.
+    """
+
+    def __init__(self, schedules: list[str], seed: int = 0) -> None:
+        self.schedules = schedules
+        self.seed = seed
+        self.moved_bytes = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        rng = random.Random(self.seed * 1000 + batch_idx)
+        schedule = resolve_schedule(rng.choice(self.schedules))
+        num_stages = strategy.pipeline_parallel_size * schedule.stages_per_rank
+        boundaries = random_partition(strategy.unit_layout.num_blocks, num_stages, rng.randrange(2**31))
+        report = strategy.apply_plan(PipelinePlan(boundaries, schedule, strategy.num_microbatches))
+        self.moved_bytes += report.bytes_sent
+        pl_module.log("moved_bytes", float(self.moved_bytes), reduce_fx="sum")
