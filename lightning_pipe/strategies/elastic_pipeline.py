@@ -248,6 +248,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
             plan.num_microbatches,
         )
 
+    def default_boundaries(self, num_stages: int) -> tuple[int, ...]:
+        """Boundaries for ``num_stages`` stages following the ``partition`` argument's rule.
+
+        An explicit list only fits its own stage count; other counts fall back to ``"balanced"``.
+        """
+        spec = self._partition_spec
+        if isinstance(spec, (list, tuple)) and len(spec) != num_stages:
+            spec = "balanced"
+        return initial_partition(spec, self.lightning_module, self.unit_layout, num_stages)
+
     @property
     def plan(self) -> PipelinePlan:
         """The plan the next step runs with."""

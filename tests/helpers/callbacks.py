@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import lightning as L
@@ -31,3 +32,22 @@ class RandomPlans(L.Callback):
         report = strategy.apply_plan(PipelinePlan(boundaries, schedule, strategy.num_microbatches))
         self.moved_bytes += report.bytes_sent
         pl_module.log("moved_bytes", float(self.moved_bytes), reduce_fx="sum")
+
+
+class RecordPlans(L.Callback):
+    """Global rank 0 appends the plan each step ran with to ``path`` (one JSON line per step)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0:
+            strategy = trainer.strategy
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"schedule": strategy.schedule.name, "boundaries": list(strategy.boundaries)}) + "\n")
+
+
+def read_plans(path) -> list[dict]:
+    """The plans :class:`RecordPlans` wrote."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]

@@ -30,3 +30,30 @@ def test_family_parity(tmp_path, schedule, pp, layers):
     pipelined = fit(make, batches, strategy, devices=pp, steps=STEPS)
     reference = fit(make, reference_batches(batches, 1), steps=STEPS)
     assert_same_parameters(pipelined, reference, atol=1e-10)
+
+
+def test_switching_family_mid_training_keeps_parity(tmp_path):
+    """1F1B, then ZB-V (two stages per rank: units migrate), then GPipe."""
+    from lightning_pipe.callbacks import ScheduleSwitch
+    from tests.helpers.callbacks import RecordPlans, read_plans
+
+    batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    switch = ScheduleSwitch({0: "1f1b", 1: "zbv", 2: "gpipe"})
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, start_method="spawn")
+    record = RecordPlans(str(tmp_path / "plans.jsonl"))
+    pipelined = fit(make, batches, strategy, devices=2, steps=STEPS, callbacks=[switch, record])
+    reference = fit(make, reference_batches(batches, 1), steps=STEPS)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    plans = read_plans(tmp_path / "plans.jsonl")
+    assert [p["schedule"] for p in plans] == ["1f1b", "zbv", "gpipe"]
+    assert [len(p["boundaries"]) - 1 for p in plans] == [2, 4, 2]
+
+
+def test_schedule_switch_rejects_bad_rules():
+    from lightning_pipe.callbacks import ScheduleSwitch
+
+    with pytest.raises(ValueError, match="unknown schedule 'nope'"):
+        ScheduleSwitch({0: "nope"})
+    with pytest.raises(ValueError, match="unit='hour'"):
+        ScheduleSwitch({0: "1f1b"}, unit="hour")
