@@ -142,12 +142,23 @@ def _meta_twin(block: nn.Module) -> nn.Module:
     return copy.deepcopy(block, memo)
 
 
+BlockWrapper = Callable[[int, Callable[..., Any], tuple, dict], Any]
+"""``(block_index, forward, args, kwargs) -> output``: runs one real block call, for example under
+activation checkpointing or with saved tensors offloaded; must return ``forward(*args, **kwargs)``."""
+
+
 class _ActiveRun:
     """State of one stage run: which blocks are real, what to inject, what came out."""
 
-    def __init__(self, span: StageSpan, receive: Callable[[list[Tensor]], list[Tensor]] | None) -> None:
+    def __init__(
+        self,
+        span: StageSpan,
+        receive: Callable[[list[Tensor]], list[Tensor]] | None,
+        wrap_block: BlockWrapper | None,
+    ) -> None:
         self.span = span
         self.receive = receive
+        self.wrap_block = wrap_block
         self.result = StageResult()
         self.promotion: _MetaPromotion | None = None
 
@@ -201,7 +212,10 @@ class StageRunner:
                 "being cut short; the block stack must be called in order, once per step."
             )
         _check_real_arguments(index, span, args, kwargs)
-        output = original(*args, **kwargs)
+        if run.wrap_block is not None:
+            output = run.wrap_block(index, original, args, kwargs)
+        else:
+            output = original(*args, **kwargs)
         if index == span.end_block - 1 and not span.is_last:
             raise _StageBoundary(output)
         return output
@@ -245,6 +259,7 @@ class StageRunner:
         step_args: tuple,
         span: StageSpan,
         receive: Callable[[list[Tensor]], list[Tensor]] | None = None,
+        wrap_block: BlockWrapper | None = None,
     ) -> StageResult:
         """Run ``root.<step_name>(*step_args)`` as stage ``span`` and return what it produced.
 
@@ -254,10 +269,11 @@ class StageRunner:
             span: the blocks this stage runs.
             receive: given the meta tensors of the previous stage's output (shapes, dtypes), returns
                 the real tensors; required unless ``span.is_first``.
+            wrap_block: runs each of the stage's block calls (memory plans: recompute, offload).
         """
         if self._active is not None:
             raise RuntimeError("StageRunner.run is not reentrant: a stage is already running.")
-        run = _ActiveRun(span, receive)
+        run = _ActiveRun(span, receive, wrap_block)
         self._active = run
         recorded: list[LogCall] = []
         try:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from lightning_pipe.model.stage_runner import LogCall, StageResult, StageRunner, StageSpan
+from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PointToPoint
 from lightning_pipe.schedules.ir import Action, ActionType, Program
@@ -38,11 +38,14 @@ class StepWork:
         microbatches: the arguments of the step for each microbatch.
         loss_scales: per microbatch, the factor applied to the loss before backward (its share of
             the batch divided by the accumulation count); None for forward-only steps.
+        block_wrapper: given (stage, microbatch), the wrapper for that stage's block calls, or None
+            (how memory plans apply recompute or offload per stage and microbatch).
     """
 
     step_name: str
     microbatches: list[tuple]
     loss_scales: list[float] | None = None
+    block_wrapper: Callable[[int, int], BlockWrapper | None] | None = None
 
 
 @dataclass
@@ -151,8 +154,13 @@ class PipelineExecutor:
 
     def _forward(self, stage: int, mb: int, outcome: StepOutcome) -> None:
         span = self._spans[stage]
+        wrapper = self._work.block_wrapper(stage, mb) if self._work.block_wrapper is not None else None
         result = self.runner.run(
-            self._work.step_name, self._work.microbatches[mb], span, receive=lambda metas: self._receive(stage, mb, metas)
+            self._work.step_name,
+            self._work.microbatches[mb],
+            span,
+            receive=lambda metas: self._receive(stage, mb, metas),
+            wrap_block=wrapper,
         )
         slot = _Slot(result)
         self._slots[(stage, mb)] = slot
