@@ -136,16 +136,19 @@ class Schedule:
     Attributes:
         name: registered family name (``"dsl"`` for DSL specs).
         stages_per_rank: stages each rank holds; the strategy partitions the model into
-            ``num_ranks * stages_per_rank`` stages.
+            ``num_ranks * stages_per_rank`` stages. None (the default) takes the family's default.
         options: keyword options passed to the family function (read-only).
     """
 
     name: str
-    stages_per_rank: int = 1
+    stages_per_rank: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", _Options(self.options))
+        if self.stages_per_rank is None:
+            family = _FAMILIES.get(self.name)
+            object.__setattr__(self, "stages_per_rank", family.stages_per_rank if family else 1)
         if self.stages_per_rank < 1:
             raise ValueError(f"stages_per_rank must be >= 1, got {self.stages_per_rank}")
 

@@ -62,9 +62,9 @@ class SimulationResult:
         idle: per rank, ``makespan - busy``.
         bubble_ratio: ``sum(idle) / (num_ranks * makespan)``, 0 for an empty program.
         peak_memory: per rank, static bytes plus the peak of saved activation bytes alive.
-        max_in_flight: per rank, the peak number of (stage, microbatch) pairs whose forward ran and
-            whose backward (``B``, or ``W`` for zero-bubble) did not yet; equals microbatches for
-            one stage per rank.
+        max_in_flight: per rank, the peak number of microbatches in flight there: forward run on
+            some stage of the rank and backward (``B``, or ``W`` for zero-bubble) not yet run on
+            all of them. The same count the DSL's ``max_in_flight`` limits.
         critical_path: the chain of actions, each waiting on the previous one, that ends last.
         events: every action with its start and end, rank by rank in program order.
     """
@@ -112,12 +112,14 @@ def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> 
     held: dict[tuple[int, int | None], float] = {}
     offloaded: dict[tuple[int, int | None], float] = {}
     alive = peak = 0.0
-    in_flight = max_in_flight = 0
+    in_flight = max_in_flight = 0  # distinct microbatches with a (stage, microbatch) pair alive
+    pairs: dict[int | None, int] = {}
     for a in program.actions[rank]:
         key = (a.stage, a.microbatch)
         saved = costs.saved_bytes[a.stage][a.microbatch] if costs.saved_bytes and a.microbatch is not None else 0.0
         if a.type is ActionType.FORWARD and training:
-            in_flight += 1
+            pairs[a.microbatch] = pairs.get(a.microbatch, 0) + 1
+            in_flight += pairs[a.microbatch] == 1
             if key not in recomputed:
                 held[key] = saved
                 alive += saved
@@ -125,7 +127,8 @@ def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> 
             alive += saved - held.get(key, 0.0)
             held[key] = saved
         elif a.type in _RELEASE:
-            in_flight -= 1
+            pairs[a.microbatch] = pairs.get(a.microbatch, 0) - 1
+            in_flight -= pairs[a.microbatch] == 0
             alive -= held.pop(key, 0.0)
         elif a.type is ActionType.OFFLOAD and key in held:
             offloaded[key] = held.pop(key)

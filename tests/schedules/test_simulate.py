@@ -60,7 +60,10 @@ def test_peak_memory_is_static_plus_saved_activations():
     result = simulate(Schedule("1f1b").build(p, m), costs)
     assert result.peak_memory == (140.0, 130.0, 120.0, 110.0)
     interleaved = simulate(Schedule("interleaved_1f1b", 2).build(p, m), ActionCosts.uniform(2 * p, m, saved_bytes=5.0, static_bytes=50.0))
-    assert interleaved.peak_memory[0] == 100.0 + 5.0 * interleaved.max_in_flight[0]
+    # rank 0 runs Megatron's 2(p-1) + (v-1)p = 10 warm-up forwards and one more before its first
+    # backward: 11 (stage, microbatch) pairs of 5 bytes, from 8 distinct microbatches
+    assert interleaved.peak_memory[0] == 100.0 + 5.0 * 11
+    assert interleaved.max_in_flight[0] == 8
 
 
 def test_zero_bubble_keeps_activations_until_w():
