@@ -84,9 +84,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         timeout: timedelta = default_pg_timeout,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__()
         if pipeline_parallel_size is not None and pipeline_parallel_size < 1:
             raise ValueError(f"`pipeline_parallel_size` must be at least 1, got {pipeline_parallel_size}.")
         if num_microbatches is not None and num_microbatches < 1:

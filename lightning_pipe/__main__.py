@@ -1,0 +1,3 @@
+from lightning_pipe.cli import main
+
+main()

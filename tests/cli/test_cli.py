@@ -1,0 +1,51 @@
+"""The ``lightning-pipe`` command and its example configs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "examples" / "gpt" / "configs").glob("*.yaml"))
+
+
+def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pipe", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_print_config_round_trips(config, tmp_path):
+    first = _cli("fit", "--config", str(config), "--print_config")
+    assert first.returncode == 0, first.stderr[-2000:]
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(first.stdout)
+    second = _cli("fit", "--config", str(printed), "--print_config")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert yaml.safe_load(second.stdout) == yaml.safe_load(first.stdout)
+    assert yaml.safe_load(first.stdout)["trainer"]["strategy"]["class_path"] == "lightning_pipe.ElasticPipelineStrategy"
+
+
+def test_fit_runs_a_config_on_two_processes(tmp_path):
+    result = _cli(
+        "fit", "--config", str(ROOT / "examples/gpt/configs/cpu_2stage.yaml"), "--trainer.fast_dev_run=true",
+        f"--trainer.default_root_dir={tmp_path}", timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Running in `fast_dev_run` mode" in result.stderr + result.stdout
+
+
+def test_unknown_schedule_is_rejected_before_training(tmp_path):
+    result = _cli(
+        "fit", "--config", str(ROOT / "examples/gpt/configs/cpu_2stage.yaml"),
+        "--trainer.strategy.init_args.schedule=onef1b", "--trainer.fast_dev_run=true",
+    )
+    assert result.returncode != 0
+    assert "unknown schedule 'onef1b'" in result.stderr
