@@ -1,0 +1,96 @@
+"""Helpers for tests of Lightning's loop features under the pipeline strategy.
+
+The single-process references read the data in the order a distributed run does: Lightning gives
+the training loader of a distributed run a shuffling ``DistributedSampler`` seeded by
+``seed_everything`` and re-seeded every epoch (``set_epoch``); :func:`loader` with ``shuffle=True``
+builds that loader for one replica, so runs that span epochs or resume from a checkpoint compare
+step by step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipe import ElasticPipelineStrategy
+from tests.helpers.models import TinyGPT
+from tests.helpers.training import SEED, BatchDataset
+
+
+class ScheduledGPT(TinyGPT):
+    """TinyGPT with AdamW and a learning rate that decays every step."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def pipeline(pp: int, microbatches: int = 4, schedule: str = "1f1b", **kwargs: Any) -> ElasticPipelineStrategy:
+    """The strategy as the tests use it: processes spawned from the test."""
+    return ElasticPipelineStrategy(
+        pipeline_parallel_size=pp, num_microbatches=microbatches, schedule=schedule, start_method="spawn", **kwargs
+    )
+
+
+def loader(batches: list, shuffle: bool = False) -> DataLoader:
+    """A loader of whole batches; ``shuffle``: in the order one replica of a distributed run reads them."""
+    dataset = BatchDataset(batches)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED) if shuffle else None
+    return DataLoader(dataset, batch_size=None, sampler=sampler)
+
+
+def run(
+    make_model: Callable[[], L.LightningModule],
+    train: DataLoader | list | None = None,
+    strategy: Any = "auto",
+    devices: int = 1,
+    log_dir: Path | None = None,
+    method: str = "fit",
+    ckpt_path: str | None = None,
+    val: DataLoader | list | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[L.LightningModule, L.Trainer, Any]:
+    """Seed, build the module and a CPU Trainer, and call ``trainer.<method>``.
+
+    Lists of batches become plain loaders (single-process references of training data should pass
+    ``loader(batches, shuffle=True)``). Returns the module (whole, in this process), the trainer and
+    what the trainer call returned.
+    """
+    L.seed_everything(SEED, verbose=False)
+    model = make_model()
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=CSVLogger(log_dir, name="", version="") if log_dir else False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
+    settings.update(trainer_kwargs)
+    settings["enable_checkpointing"] = any(isinstance(c, ModelCheckpoint) for c in settings.get("callbacks", []))
+    trainer = L.Trainer(**settings)
+    as_loader = lambda data: loader(data) if isinstance(data, list) else data  # noqa: E731
+    if method == "fit":
+        result = trainer.fit(model, as_loader(train), as_loader(val), ckpt_path=ckpt_path)
+    else:
+        result = getattr(trainer, method)(model, as_loader(val), ckpt_path=ckpt_path)
+    return model, trainer, result
+
+
+def rank_files(directory: Path) -> dict[int, str]:
+    """Contents of ``rank<N>.txt`` files written by callbacks in every process, by rank."""
+    return {
+        int(name[4:-4]): (directory / name).read_text()
+        for name in os.listdir(directory)
+        if name.startswith("rank") and name.endswith(".txt")
+    }
