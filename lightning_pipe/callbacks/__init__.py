@@ -1,6 +1,8 @@
 """Lightning callbacks that decide plans and watch the pipeline."""
 
+from lightning_pipe.callbacks.monitor import PipelineMonitor
+from lightning_pipe.callbacks.progress import PipelineProgressBar
 from lightning_pipe.callbacks.schedule_switch import ScheduleSwitch
 
 # Public: callbacks users add to the Trainer.
-__all__ = ["ScheduleSwitch"]
+__all__ = ["PipelineMonitor", "PipelineProgressBar", "ScheduleSwitch"]

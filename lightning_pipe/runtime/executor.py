@@ -50,11 +50,16 @@ class StepWork:
 
 @dataclass
 class ActionRecord:
-    """When one action ran on this rank (``time.perf_counter`` seconds)."""
+    """When one action ran on this rank (``time.perf_counter`` seconds).
+
+    ``wait`` is the part of ``end - start`` spent blocked in receives (an ``F`` or ``B`` waits for its
+    input there), so ``end - start - wait`` is the time the rank was busy.
+    """
 
     action: Action
     start: float
     end: float
+    wait: float = 0.0
 
 
 @dataclass
@@ -106,6 +111,7 @@ class PipelineExecutor:
         self.pipeline_ranks = pipeline_ranks
         self.pipeline_rank = pipeline_rank
         self.device = device
+        self._waited = 0.0
 
     def run(self, program: Program, spans: dict[int, StageSpan], work: StepWork) -> StepOutcome:
         """Run this rank's actions of ``program`` for ``work``; ``spans`` maps its stages to blocks."""
@@ -118,9 +124,10 @@ class PipelineExecutor:
         outcome = StepOutcome()
         try:
             for action in program.actions[self.pipeline_rank]:
+                self._waited = 0.0
                 start = time.perf_counter()
                 self._execute(action, outcome)
-                outcome.records.append(ActionRecord(action, start, time.perf_counter()))
+                outcome.records.append(ActionRecord(action, start, time.perf_counter(), self._waited))
             self.p2p.wait_sends()
         finally:
             self._slots = {}
@@ -177,7 +184,9 @@ class PipelineExecutor:
         local = self._local_activations.pop((stage, mb), None)
         if local is None:
             shapes = [(m.shape, m.dtype) for m in metas]
+            started = time.perf_counter()
             local = self.p2p.receive(shapes, self._peer(stage - 1), ACTIVATION, stage - 1, mb, self.device)
+            self._waited += time.perf_counter() - started
         received = []
         for meta, tensor in zip(metas, local, strict=True):
             if tensor.shape != meta.shape:
@@ -201,7 +210,9 @@ class PipelineExecutor:
             grads = self._local_gradients.pop((stage, mb), None)
             if grads is None:
                 shapes = [(t.shape, t.dtype) for t in floats]
+                started = time.perf_counter()
                 grads = self.p2p.receive(shapes, self._peer(stage + 1), GRADIENT, stage + 1, mb, self.device)
+                self._waited += time.perf_counter() - started
             slot.output_grads = list(grads)
         pairs = [(t, g) for t, g in zip(floats, slot.output_grads, strict=True) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]

@@ -379,6 +379,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
             predictions = collectives.broadcast_object(predictions, last_rank, self.groups.pipeline)
         return predictions if self.global_rank == first_rank else None
 
+    def gather_from_pipeline(self, obj: Any) -> list[Any] | None:
+        """Collect one object per pipeline rank on global rank 0 (a collective of the first replica's
+        pipeline; other replicas return None at once). For monitors: per-rank timings and memory."""
+        if self.layout.data_parallel_rank != 0:
+            return None
+        if self.pipeline_parallel_size == 1:
+            return [obj]
+        return collectives.gather_objects(obj, self.layout.pipeline_ranks()[0], self.groups.pipeline)
+
     # --- optimization ---------------------------------------------------------------------------
 
     @override

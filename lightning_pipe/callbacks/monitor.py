@@ -1,0 +1,250 @@
+"""``PipelineMonitor``: what the pipeline really did, per step, through Lightning's loggers.
+
+Every rank times its actions (``runtime.executor``); every logged step the monitor gathers the
+timings, memory and plan of every pipeline rank on global rank 0 and logs:
+
+* ``pipeline/tokens_per_s``, ``pipeline/step_s``: throughput and wall time of the step,
+* ``pipeline/bubble_ratio``: idle share of the step measured from per-rank busy time (time blocked
+  in receives is idle, not busy),
+* ``pipeline/stage{s}_compute_s``: compute time of every stage,
+* ``pipeline/rank{r}_peak_memory_bytes``: peak memory per rank (CUDA allocator peak, or the process's
+  resident-set peak on CPU),
+* ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``, and
+  ``pipeline/migrated_bytes`` when units moved.
+
+Every ``timeline_every_n_steps`` it draws the real step as a Gantt chart (the same renderer as
+simulated schedules), saves the PNG in the log directory and sends it to TensorBoard. At the end of
+``fit`` it prints a summary table. ``history`` keeps one row per logged step (schedule, partition).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils._pytree import tree_flatten
+
+from lightning_pipe.schedules import ActionType, TimedAction
+
+log = logging.getLogger(__name__)
+
+_COMPUTE = {ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT}
+
+
+@dataclass
+class RankReport:
+    """What one pipeline rank measured in one step (sent to rank 0)."""
+
+    pipeline_rank: int
+    events: list[TimedAction]
+    peak_memory_bytes: int
+    migrated_bytes: int
+
+
+@dataclass
+class StepSummary:
+    """One logged step, as the monitor saw it."""
+
+    step: int
+    schedule: str
+    boundaries: list[int]
+    num_microbatches: int
+    tokens_per_s: float
+    step_s: float
+    bubble_ratio: float
+    stage_compute_s: dict[int, float] = field(default_factory=dict)
+    migrated_bytes: int = 0
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _tokens(batch: Any) -> int:
+    """Token count of a batch: elements of its first tensor with a batch dimension."""
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.numel())
+    return 0
+
+
+def measured_step(reports: list[RankReport]) -> tuple[list[TimedAction], float, list[float]]:
+    """Events of all ranks on one clock starting at 0, the makespan, and per-rank busy seconds."""
+    events = [e for report in reports for e in report.events]
+    if not events:
+        return [], 0.0, [0.0] * len(reports)
+    origin = min(e.start for e in events)
+    shifted = [TimedAction(e.rank, e.action, e.start - origin, e.end - origin) for e in events]
+    makespan = max(e.end for e in shifted)
+    busy = [0.0] * len(reports)
+    for e in shifted:
+        if e.action.type in _COMPUTE:
+            busy[e.rank] += e.duration
+    return shifted, makespan, busy
+
+
+class PipelineMonitor(L.Callback):
+    """Log what the pipeline did each step; draw real timelines; summarize at the end.
+
+    Args:
+        log_every_n_steps: log every this many optimizer steps (None: the Trainer's setting).
+        timeline_every_n_steps: draw the real step's timeline every this many steps (0: never).
+        timeline_dir: where the PNGs go (None: the first logger's directory, else ``default_root_dir``).
+    """
+
+    def __init__(
+        self, log_every_n_steps: int | None = None, timeline_every_n_steps: int = 50, timeline_dir: str | None = None
+    ) -> None:
+        if timeline_every_n_steps < 0:
+            raise ValueError(f"`timeline_every_n_steps` must be >= 0, got {timeline_every_n_steps}.")
+        self.log_every_n_steps = log_every_n_steps
+        self.timeline_every_n_steps = timeline_every_n_steps
+        self.timeline_dir = timeline_dir
+        self.history: list[StepSummary] = []
+        self.timelines: list[str] = []
+        self._step_started = 0.0
+        self._migrated = 0
+
+    def _strategy(self, trainer: L.Trainer) -> Any:
+        from lightning_pipe.strategies import ElasticPipelineStrategy
+
+        if not isinstance(trainer.strategy, ElasticPipelineStrategy):
+            raise TypeError(
+                f"`PipelineMonitor` needs `strategy='elastic_pipe'`, the Trainer runs {type(trainer.strategy).__name__}."
+            )
+        return trainer.strategy
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Fail early when the Trainer does not run the pipeline strategy."""
+        self._strategy(trainer)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Start the step's clock (after plan callbacks placed before this one)."""
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Gather this step's measurements on rank 0 and log them."""
+        strategy = self._strategy(trainer)
+        migration = strategy.last_migration
+        if migration is not None:
+            self._migrated += migration.bytes_sent
+            strategy.last_migration = None
+        step = trainer.global_step
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        draw = self.timeline_every_n_steps and step % self.timeline_every_n_steps == 0
+        if step % every and not draw:
+            return
+        step_s = time.perf_counter() - self._step_started
+        outcome = strategy.last_outcome
+        offset = time.time() - time.perf_counter()  # one clock for all ranks, also across nodes
+        rank = strategy.layout.pipeline_rank
+        events = [
+            TimedAction(rank, r.action, r.start + r.wait + offset, r.end + offset) for r in (outcome.records if outcome else [])
+        ]
+        report = RankReport(rank, events, _peak_memory_bytes(strategy.root_device), self._migrated)
+        self._migrated = 0
+        reports = strategy.gather_from_pipeline(report)
+        if trainer.global_rank != 0 or reports is None:
+            return
+        summary = self._summarize(strategy, reports, step, step_s, _tokens(batch) * strategy.layout.data_parallel_size)
+        self.history.append(summary)
+        metrics = {
+            "pipeline/tokens_per_s": summary.tokens_per_s,
+            "pipeline/step_s": summary.step_s,
+            "pipeline/bubble_ratio": summary.bubble_ratio,
+            "pipeline/num_stages": float(len(summary.boundaries) - 1),
+            "pipeline/num_microbatches": float(summary.num_microbatches),
+            "pipeline/migrated_bytes": float(summary.migrated_bytes),
+        }
+        metrics.update({f"pipeline/stage{s}_compute_s": t for s, t in summary.stage_compute_s.items()})
+        metrics.update({f"pipeline/boundary{k}": float(b) for k, b in enumerate(summary.boundaries)})
+        metrics.update({f"pipeline/rank{r.pipeline_rank}_peak_memory_bytes": float(r.peak_memory_bytes) for r in reports})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        self._write_plan_history(trainer, summary)
+        if draw:
+            self._draw(trainer, reports, step)
+
+    def _summarize(self, strategy: Any, reports: list[RankReport], step: int, step_s: float, tokens: int) -> StepSummary:
+        events, makespan, busy = measured_step(reports)
+        stage_compute: dict[int, float] = {}
+        for e in events:
+            if e.action.type in _COMPUTE:
+                stage_compute[e.action.stage] = stage_compute.get(e.action.stage, 0.0) + e.duration
+        bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
+        return StepSummary(
+            step=step,
+            schedule=strategy.schedule.name,
+            boundaries=list(strategy.boundaries),
+            num_microbatches=strategy.num_microbatches,
+            tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
+            step_s=step_s,
+            bubble_ratio=bubble,
+            stage_compute_s=dict(sorted(stage_compute.items())),
+            migrated_bytes=sum(r.migrated_bytes for r in reports),
+        )
+
+    def _directory(self, trainer: L.Trainer) -> str:
+        if self.timeline_dir:
+            directory = self.timeline_dir
+        elif trainer.loggers and trainer.loggers[0].log_dir:
+            directory = trainer.loggers[0].log_dir
+        else:
+            directory = trainer.default_root_dir
+        os.makedirs(directory, exist_ok=True)
+        return directory
+
+    def _write_plan_history(self, trainer: L.Trainer, summary: StepSummary) -> None:
+        with open(os.path.join(self._directory(trainer), "pipeline_steps.jsonl"), "a") as f:
+            f.write(json.dumps(asdict(summary)) + "\n")
+
+    def _draw(self, trainer: L.Trainer, reports: list[RankReport], step: int) -> None:
+        from lightning_pipe.schedules.render import render_png
+
+        events, _, _ = measured_step(reports)
+        path = os.path.join(self._directory(trainer), f"pipeline_timeline_step{step}.png")
+        render_png(events, path, title=f"measured step {step}")
+        self.timelines.append(path)
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_image"):
+                import matplotlib.image
+
+                image = matplotlib.image.imread(path)
+                experiment.add_image("pipeline/timeline", image[..., :3], global_step=step, dataformats="HWC")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Print the run's summary table on rank 0."""
+        if trainer.global_rank != 0 or not self.history:
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        rows = self.history[1:] or self.history  # the first step includes warm-up
+        table = Table(title="lightning-pipe: pipeline summary")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        table.add_row("logged steps", str(len(self.history)))
+        table.add_row("tokens/s (mean)", f"{sum(r.tokens_per_s for r in rows) / len(rows):,.0f}")
+        table.add_row("bubble ratio (mean)", f"{sum(r.bubble_ratio for r in rows) / len(rows):.3f}")
+        stages = sorted({s for r in rows for s in r.stage_compute_s})
+        for s in stages:
+            mean = sum(r.stage_compute_s.get(s, 0.0) for r in rows) / len(rows)
+            table.add_row(f"stage {s} compute s/step", f"{mean:.4f}")
+        changes = sum(1 for a, b in zip(self.history, self.history[1:]) if a.boundaries != b.boundaries)
+        table.add_row("repartitions seen", str(changes))
+        table.add_row("schedules seen", ", ".join(dict.fromkeys(r.schedule for r in self.history)))
+        Console(file=sys.stdout).print(table)
