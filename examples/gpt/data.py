@@ -157,11 +157,14 @@ class TokenDataModule(L.LightningDataModule):
             noise=hp.noise,
         )
 
-    # Items are already batches: `batch_size=None` turns off automatic batching. No shuffling:
-    # the items are i.i.d. draws already, and a fixed order keeps runs comparable.
+    # Items are already batches: `batch_size=None` turns off automatic batching. Under any
+    # distributed strategy Lightning replaces the sampler of the TRAINING loader with
+    # `DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED)` (whatever `shuffle` says here), so a
+    # one-device run and a multi-process run see the batches in different orders.
     def train_dataloader(self) -> DataLoader:
-        """Returns whole training batches, one per item."""
-        return DataLoader(self._dataset("train", self.hparams.num_batches), batch_size=None)
+        """Returns whole training batches, one per item, in a seeded random order."""
+        dataset = self._dataset("train", self.hparams.num_batches)
+        return DataLoader(dataset, batch_size=None, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         """Returns whole validation batches, one per item."""

@@ -1,0 +1,475 @@
+"""Training throughput and memory of one GPT under four ways of running it on CPU.
+
+Configurations, each run in its own fresh subprocess(es) started by this script, side by side:
+
+  (a)  single          one process, 1 thread: the whole global batch per step.
+  (a2) single-2t       one process, 2 threads (same cores as the 2-process runs).
+  (b)  ddp             2 processes, plain `torch.nn.parallel.DistributedDataParallel`; each
+                       rank takes half of every global batch.
+  (c)  torch-1f1b      2 processes, `torch.distributed.pipelining.Schedule1F1B`; the GPT's
+                       blocks are split in half by hand (rank 0: embeddings + first half,
+                       rank 1: second half + final norm + head + loss).
+  (d)  lightning-pipe  2 processes, `L.Trainer(strategy=ElasticPipelineStrategy(schedule="1f1b",
+                       num_microbatches=M))` on the unchanged `examples/gpt/model.py` module;
+                       reported as "not available" until `lightning_pipe` provides the strategy.
+
+All of them train the same `examples/gpt` GPT (same seed, so the same initial weights) with
+AdamW on the same FIXED-length token batches (`examples/gpt/data.py`, `fixed_len`), the same
+global batch, the same number of microbatches for the pipelines, and the same number of steps.
+The first `--warmup` steps are not timed. Distributed runs use gloo, rendezvous through a
+`file://` store, and `torch.set_num_threads(1)` in every rank (`OMP_NUM_THREADS=1`).
+
+Measured per rank: the wall time of every timed step, between barriers (a step lasts as long as
+its slowest rank), reported as tokens/s = global batch x sequence length / median step time (the
+median resists other load on a shared machine; the mean is shown beside it), peak resident memory (`ru_maxrss`), its growth over the
+process's resident memory just before the model is built (what the model, its gradients,
+optimizer state and activations added), and the bytes of parameters the rank holds. The final
+loss column is a sanity check: every configuration computes the same mathematical step.
+
+Run from the repository root (about one and a half minutes on 2 cores):
+
+    python benchmarks/bench_throughput.py
+    python benchmarks/bench_throughput.py --steps 40 --n-layer 12 --only ddp torch-1f1b
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+from examples.gpt.data import TokenBatches  # noqa: E402
+from examples.gpt.model import GPT  # noqa: E402
+
+CONFIGS = {
+    "single": "(a) single, 1 thread",
+    "single-2t": "(a2) single, 2 threads",
+    "ddp": "(b) torch DDP",
+    "torch-1f1b": "(c) torch pipelining 1F1B",
+    "lightning-pipe": "(d) lightning_pipe 1F1B",
+}
+
+
+@dataclass
+class RankResult:
+    """What one rank measured."""
+
+    config: str
+    rank: int
+    world_size: int
+    tokens_per_step: int
+    step_seconds: list[float]
+    peak_rss_bytes: int
+    rss_growth_bytes: int
+    param_bytes: int
+    final_loss: float
+
+
+def peak_rss_bytes() -> int:
+    """Returns this process's peak resident set size in bytes (`ru_maxrss` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_model(args: argparse.Namespace) -> GPT:
+    """Returns the GPT every configuration trains, initialised from `args.seed`."""
+    torch.manual_seed(args.seed)
+    return GPT(
+        vocab_size=256,
+        block_size=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+    )
+
+
+def make_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    """AdamW exactly as `GPT.configure_optimizers` builds it, over `module`'s parameters."""
+    params = list(module.parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+    )
+
+
+def make_batches(args: argparse.Namespace) -> list[torch.Tensor]:
+    """Returns the `[global_batch, seq_len + 1]` batches of every step, warmup included."""
+    data = TokenBatches(
+        args.warmup + args.steps, args.global_batch, fixed_len=args.seq_len, seed=args.seed
+    )
+    return [data[i] for i in range(len(data))]
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters that hold real storage (meta parameters are free)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not p.is_meta)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits `[B, T, V]` against targets `[B, T]`."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def timed_steps(args, step_fn, barrier=lambda: None) -> tuple[list[float], float]:
+    """Runs warmup steps, then times `args.steps` steps, each between barriers.
+
+    Returns:
+        The wall time of each timed step in seconds, and the loss of the last step.
+    """
+    loss = float("nan")
+    for i in range(args.warmup):
+        loss = step_fn(i)
+    step_seconds = []
+    for i in range(args.warmup, args.warmup + args.steps):
+        barrier()
+        start = time.perf_counter()
+        loss = step_fn(i)
+        barrier()
+        step_seconds.append(time.perf_counter() - start)
+    return step_seconds, loss
+
+
+# ----------------------------------------------------------------------------- (a) one process
+
+
+def run_single(args: argparse.Namespace, config: str, threads: int) -> list[RankResult]:
+    torch.set_num_threads(threads)
+    batches = make_batches(args)
+    rss_before = peak_rss_bytes()
+    model = build_model(args)
+    optimizer = make_optimizer(model)
+
+    def step(i: int) -> float:
+        x, y = batches[i][:, :-1], batches[i][:, 1:]
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    seconds, loss = timed_steps(args, step)
+    return [result(args, config, 0, 1, seconds, rss_before, param_bytes(model), loss)]
+
+
+def result(args, config, rank, world_size, step_seconds, rss_before, held, loss) -> RankResult:
+    peak = peak_rss_bytes()
+    tokens = args.global_batch * args.seq_len
+    return RankResult(
+        config, rank, world_size, tokens, step_seconds, peak, peak - rss_before, held, loss
+    )
+
+
+# ----------------------------------------------------------------------------- (b) DDP
+
+
+def run_ddp_rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    batches = make_batches(args)
+    rss_before = peak_rss_bytes()
+    model = nn.parallel.DistributedDataParallel(build_model(args))
+    optimizer = make_optimizer(model)
+    rows = slice(rank * args.global_batch // 2, (rank + 1) * args.global_batch // 2)
+
+    def step(i: int) -> float:
+        batch = batches[i][rows]
+        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()  # DDP averages the gradients of the two halves
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        return mean_loss.item() / 2
+
+    seconds, loss = timed_steps(args, step, dist.barrier)
+    write(out, result(args, "ddp", rank, 2, seconds, rss_before, param_bytes(model), loss))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- (c) torch 1F1B
+
+
+class FirstStage(nn.Module):
+    """Embeddings and the first half of the blocks: `[B, T]` token ids -> `[B, T, C]`."""
+
+    def __init__(self, gpt: GPT, num_blocks: int) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+        self.blocks = nn.ModuleList(gpt.blocks[:num_blocks])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.size()
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class LastStage(nn.Module):
+    """The second half of the blocks, final norm and head: `[B, T, C]` -> logits `[B, T, V]`."""
+
+    def __init__(self, gpt: GPT, num_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(gpt.blocks[num_blocks:])
+        self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def run_torch_1f1b_rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    batches = make_batches(args)
+    rss_before = peak_rss_bytes()
+    gpt = build_model(args)  # the full model briefly, so both halves get the same init as (a)
+    half = args.n_layer // 2
+    module = FirstStage(gpt, half) if rank == 0 else LastStage(gpt, half)
+    del gpt
+    stage = PipelineStage(module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=lm_loss)
+    optimizer = make_optimizer(module)
+
+    def step(i: int) -> float:
+        x, y = batches[i][:, :-1], batches[i][:, 1:]
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        dist.broadcast(mean_loss, src=1)
+        return mean_loss.item()
+
+    seconds, loss = timed_steps(args, step, dist.barrier)
+    write(out, result(args, "torch-1f1b", rank, 2, seconds, rss_before, param_bytes(module), loss))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- (d) lightning_pipe
+
+
+def lightning_pipe_strategy_class():
+    """Returns `lightning_pipe.ElasticPipelineStrategy`, or None while it does not exist."""
+    try:
+        import lightning_pipe
+    except ImportError:
+        return None
+    return getattr(lightning_pipe, "ElasticPipelineStrategy", None)
+
+
+def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
+    import lightning as L
+
+    strategy_class = lightning_pipe_strategy_class()
+    torch.set_num_threads(1)
+    rss_before = peak_rss_bytes()
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.start = 0.0
+            self.step_seconds = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx >= args.warmup:
+                dist.barrier()
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx >= args.warmup:
+                dist.barrier()
+                self.step_seconds.append(time.perf_counter() - self.start)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            seconds = self.step_seconds
+            loss = trainer.callback_metrics.get("train_loss", torch.tensor(float("nan"))).item()
+            held = param_bytes(pl_module)
+            rank = trainer.global_rank
+            write(out, result(args, "lightning-pipe", rank, 2, seconds, rss_before, held, loss))
+
+    data = TokenBatches(args.warmup + args.steps, args.global_batch, fixed_len=args.seq_len, seed=args.seed)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy_class(schedule="1f1b", num_microbatches=args.microbatches),
+        max_steps=args.warmup + args.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timer()],
+        # One pipeline replica (pp=2, dp=1) needs no sharding; without this Lightning would
+        # shuffle the batches and the final loss could not be compared with the other rows.
+        use_distributed_sampler=False,
+    )
+    trainer.fit(build_model(args), torch.utils.data.DataLoader(data, batch_size=None))
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def write(out: str, rank_result: RankResult) -> None:
+    path = Path(out) / f"{rank_result.config}-rank{rank_result.rank}.json"
+    path.write_text(json.dumps(asdict(rank_result)))
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Runs one configuration inside this (sub)process; ranks write JSON files to `args.out`."""
+    store = f"file://{Path(args.out) / (args.worker + '.store')}"
+    if args.worker in ("single", "single-2t"):
+        threads = 1 if args.worker == "single" else 2
+        for rank_result in run_single(args, args.worker, threads):
+            write(args.out, rank_result)
+    elif args.worker == "ddp":
+        mp.spawn(run_ddp_rank, args=(args, store, args.out), nprocs=2)
+    elif args.worker == "torch-1f1b":
+        mp.spawn(run_torch_1f1b_rank, args=(args, store, args.out), nprocs=2)
+    elif args.worker == "lightning-pipe":
+        run_lightning_pipe(args, args.out)
+
+
+def launch(config: str, args: argparse.Namespace, out: str) -> tuple[list[RankResult], str]:
+    """Runs `config` in a fresh subprocess; returns its rank results and an error text."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out]
+    command += forwarded_flags(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1" if config != "single-2t" else "2")
+    env["PYTHONWARNINGS"] = "ignore"
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+    results = [
+        RankResult(**json.loads(path.read_text()))
+        for path in sorted(Path(out).glob(f"{config}-rank*.json"))
+    ]
+    error = "" if completed.returncode == 0 else completed.stderr.strip().splitlines()[-1]
+    return results, error
+
+
+def forwarded_flags(args: argparse.Namespace) -> list[str]:
+    names = ["steps", "warmup", "global_batch", "microbatches", "seq_len", "n_layer", "n_head", "n_embd", "seed"]
+    return [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+def print_table(args, rows: dict[str, tuple[list[RankResult], str]], load_before: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    mib = 1024**2
+    reference = None
+    table = Table(title="Training throughput on CPU (fixed-length batches)")
+    for column in ("configuration", "ranks", "tokens/s (median step)", "tokens/s (mean)", "vs first row", "peak RSS MiB / rank",
+                   "RSS growth MiB / rank", "param MiB / rank", "final loss"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    for config, (results, error) in rows.items():
+        if not results:
+            table.add_row(CONFIGS[config], "-", "failed" if error else "not available", *["-"] * 6)
+            continue
+        # A step lasts as long as its slowest rank.
+        step_seconds = [max(times) for times in zip(*(r.step_seconds for r in results))]
+        median = statistics.median(step_seconds)
+        mean = statistics.fmean(step_seconds)
+        reference = reference or results[0].tokens_per_step / median
+        table.add_row(
+            CONFIGS[config],
+            str(len(results)),
+            f"{results[0].tokens_per_step / median:,.0f}",
+            f"{results[0].tokens_per_step / mean:,.0f}",
+            f"{results[0].tokens_per_step / median / reference:.2f}x",
+            " / ".join(f"{r.peak_rss_bytes / mib:.0f}" for r in results),
+            " / ".join(f"{r.rss_growth_bytes / mib:.1f}" for r in results),
+            " / ".join(f"{r.param_bytes / mib:.2f}" for r in results),
+            f"{results[-1].final_loss:.4f}",
+        )
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    console.print(table)
+    for config, (results, error) in rows.items():
+        if error:
+            console.print(f"{CONFIGS[config]} failed: {error}", markup=False)
+    console.print(
+        f"How: `{' '.join([Path(sys.executable).name] + sys.argv)}` on {os.cpu_count()} CPU cores "
+        f"({platform.processor() or platform.machine()}), torch {torch.__version__}, gloo. "
+        f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} vocab=256; "
+        f"global batch {args.global_batch} x {args.seq_len} tokens (fixed length); "
+        f"{args.microbatches} microbatches for the pipelines; {args.steps} timed steps after "
+        f"{args.warmup} warmup steps; 1 thread per rank except (a2). Each configuration ran in "
+        "its own fresh processes, one after the other. tokens/s = global batch x sequence length "
+        "/ step time (median or mean over timed steps). RSS growth = peak RSS minus RSS before "
+        "the model was built."
+    )
+    console.print(f"1-minute load average before the run: {load_before:.2f}.", markup=False)
+    if load_before > 0.5:
+        console.print(
+            "Other processes were using the CPU: numbers can be skewed; rerun on a quiet machine.",
+            style="bold yellow",
+        )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--microbatches", type=int, default=4, help="per step (pipelines)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.global_batch % 2 or args.global_batch % args.microbatches or args.n_layer < 2:
+        parser.error(
+            f"Need an even `--global-batch` divisible by `--microbatches` and `--n-layer` >= 2; "
+            f"got {args.global_batch}, {args.microbatches}, {args.n_layer}."
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    load_before = os.getloadavg()[0]
+    rows = {}
+    with tempfile.TemporaryDirectory() as out:
+        for config in args.only:
+            if config == "lightning-pipe" and lightning_pipe_strategy_class() is None:
+                rows[config] = ([], "")
+                continue
+            print(f"running {CONFIGS[config]} ...", flush=True)
+            rows[config] = launch(config, args, out)
+    print_table(args, rows, load_before)
+
+
+if __name__ == "__main__":
+    main()
