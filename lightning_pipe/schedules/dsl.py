@@ -279,8 +279,10 @@ def _resolve_rules(rules: tuple[Rule | str, ...]) -> tuple[Rule, ...]:
     return tuple(_RULES[r] if isinstance(r, str) else r for r in rules)
 
 
-def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int) -> Program:
+def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, *, check: bool = True) -> Program:
     """Generate the program of ``spec`` for ``num_ranks`` ranks and ``num_microbatches``, validated.
+
+    ``check=False`` skips the final :func:`validate` (the auto-scheduler's inner loop only).
 
     Raises:
         ValueError: for sizes or per-rank lists that do not fit.
@@ -325,7 +327,8 @@ def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int) -> Pro
         instructions=spec.instructions,
         rules=_resolve_rules(spec.rules),
     )
-    return validate(engine_program(settings))
+    program = engine_program(settings)
+    return validate(program) if check else program
 
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(ScheduleSpec)}

@@ -110,14 +110,14 @@ class _Traversal:
         if self.position == 0:
             self.round += 1
 
-    def candidates(self, remaining: Callable[[int], bool]) -> list[int]:
+    def candidates(self, remaining: Callable[[int], bool]) -> Sequence[int]:
         if self.intervals is None:
-            return [s for s in self.order if remaining(s)]
+            return self.order  # the caller skips stages without remaining work
         for _ in range(len(self.order)):
             if remaining(self.order[self.position]):
-                return [self.order[self.position]]
+                return (self.order[self.position],)
             self._move()
-        return []
+        return ()
 
     def took(self, stage: int) -> None:
         if self.intervals is None:
@@ -178,6 +178,8 @@ def run_engine(settings: EngineSettings) -> list[list[Action]]:
         walk = forward_walk[rank] if kind is _F else backward_walk[rank]
         for s in walk.candidates(lambda s: next_mb[(kind, s)] < m):
             mb = next_mb[(kind, s)]
+            if mb >= m:
+                continue
             if full and not alive[rank][mb]:
                 continue  # a new microbatch would exceed max_in_flight; admitted ones may go on
             action = Action(s, kind, mb)

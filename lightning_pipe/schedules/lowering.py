@@ -118,27 +118,58 @@ def message_of(action: Action) -> Message:
     return Message(action.stage + offsets[0], action.stage + offsets[1], action.microbatch)
 
 
-def _needs(action: Action, stage_to_rank: Sequence[int]) -> Message | None:
+# Identity tests on enum members: these helpers run once per action in every pass, and an Enum's
+# ``__hash__`` (used by set membership) is a Python-level call.
+_FORWARD, _BACKWARD, _INPUT = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B
+
+
+def is_communication(kind: ActionType) -> bool:
+    """Fast ``kind.is_communication``."""
+    return kind is _SEND_F or kind is _RECV_F or kind is _SEND_B or kind is _RECV_B
+
+
+def message_key(action: Action) -> tuple[int, int, int]:
+    """``tuple(message_of(action))`` without building the named tuple (hot loops)."""
+    offsets = _ENDPOINTS[action.type]
+    return (action.stage + offsets[0], action.stage + offsets[1], action.microbatch)  # type: ignore[return-value]
+
+
+def send_of(src: int, dst: int, microbatch: int) -> Action:
+    """The send action of the message ``src -> dst`` for ``microbatch``."""
+    return Action(src, _SEND_F if dst > src else _SEND_B, microbatch)
+
+
+def recv_of(src: int, dst: int, microbatch: int) -> Action:
+    """The receive action of the message ``src -> dst`` for ``microbatch``."""
+    return Action(dst, _RECV_F if dst > src else _RECV_B, microbatch)
+
+
+def _needs(action: Action, stage_to_rank: Sequence[int]) -> tuple[int, int, int] | None:
     """Message ``action`` must receive from another rank before it runs, if any."""
-    s, mb, last = action.stage, action.microbatch, len(stage_to_rank) - 1
+    s, mb, kind = action.stage, action.microbatch, action.type
     if mb is None:
         return None
-    if action.type is ActionType.FORWARD and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
-        return Message(s - 1, s, mb)
-    if action.type.is_backward and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
-        return Message(s + 1, s, mb)
+    if kind is _FORWARD:
+        if s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+            return (s - 1, s, mb)
+    elif kind is _BACKWARD or kind is _INPUT:
+        if s < len(stage_to_rank) - 1 and stage_to_rank[s + 1] != stage_to_rank[s]:
+            return (s + 1, s, mb)
     return None
 
 
-def _produces(action: Action, stage_to_rank: Sequence[int]) -> Message | None:
+def _produces(action: Action, stage_to_rank: Sequence[int]) -> tuple[int, int, int] | None:
     """Message ``action`` must send to another rank after it runs, if any."""
-    s, mb, last = action.stage, action.microbatch, len(stage_to_rank) - 1
+    s, mb, kind = action.stage, action.microbatch, action.type
     if mb is None:
         return None
-    if action.type is ActionType.FORWARD and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
-        return Message(s, s + 1, mb)
-    if action.type.is_backward and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
-        return Message(s, s - 1, mb)
+    if kind is _FORWARD:
+        if s < len(stage_to_rank) - 1 and stage_to_rank[s + 1] != stage_to_rank[s]:
+            return (s, s + 1, mb)
+    elif kind is _BACKWARD or kind is _INPUT:
+        if s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+            return (s, s - 1, mb)
     return None
 
 
@@ -155,40 +186,40 @@ def insert_communication(
     Returns:
         Per-rank action tuples with communication, receives matched in order with the peer's sends.
     """
-    orders = [[a for a in order if not a.type.is_communication] for order in compute_orders]
+    orders = [[a for a in order if not is_communication(a.type)] for order in compute_orders]
     rank_of = tuple(stage_to_rank)
-    # What each rank sends to each peer, in send order.
-    sent: dict[tuple[int, int], list[Message]] = {}
+    # What each rank sends to each peer, in send order. Messages are (src_stage, dst_stage, mb).
+    sent: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for rank, order in enumerate(orders):
         for action in order:
             message = _produces(action, rank_of)
             if message is not None:
-                sent.setdefault((rank, rank_of[message.dst_stage]), []).append(message)
+                sent.setdefault((rank, rank_of[message[1]]), []).append(message)
     position = {pair: 0 for pair in sent}
     result: list[tuple[Action, ...]] = []
     for rank, order in enumerate(orders):
-        received: set[Message] = set()
+        received: set[tuple[int, int, int]] = set()
         out: list[Action] = []
         for action in order:
             message = _needs(action, rank_of)
             if message is not None and message not in received:
-                pair = (rank_of[message.src_stage], rank)
+                pair = (rank_of[message[0]], rank)
                 queue = sent.get(pair, [])
                 # Receive, in the peer's send order, everything it sent before the needed message.
                 while position.get(pair, 0) < len(queue):
                     early = queue[position[pair]]
                     position[pair] += 1
-                    out.append(early.recv)
+                    out.append(recv_of(*early))
                     received.add(early)
                     if early == message:
                         break
                 if message not in received:  # never sent: keep the receive; validate() reports it
-                    out.append(message.recv)
+                    out.append(recv_of(*message))
                     received.add(message)
             out.append(action)
             produced = _produces(action, rank_of)
             if produced is not None:
-                out.append(produced.send)
+                out.append(send_of(*produced))
         result.append(tuple(out))
     return tuple(result)
 
@@ -247,4 +278,4 @@ def forward_only(program: Program) -> Program:
 
 def compute_only(program: Program) -> tuple[tuple[Action, ...], ...]:
     """Per-rank actions without the point-to-point ones (torch's "compute_only" CSV format)."""
-    return tuple(tuple(a for a in rank if not a.type.is_communication) for rank in program.actions)
+    return tuple(tuple(a for a in rank if not is_communication(a.type)) for rank in program.actions)

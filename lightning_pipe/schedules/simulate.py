@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from .costs import ActionCosts
 from .instructions import get_instruction, is_registered_instruction
 from .ir import Action, ActionType, Program
-from .lowering import Message, message_of
+from .lowering import message_key
 from .validate import ScheduleError, format_grid
 
 __all__ = ["TimedAction", "SimulationResult", "simulate"]
 
-_SEND = (ActionType.SEND_F, ActionType.SEND_B)
-_RECV = (ActionType.RECV_F, ActionType.RECV_B)
+_SEND_F, _SEND_B, _RECV_F, _RECV_B = ActionType.SEND_F, ActionType.SEND_B, ActionType.RECV_F, ActionType.RECV_B
 _RELEASE = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
 
 
@@ -141,7 +140,7 @@ def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> 
     return static + peak, max_in_flight
 
 
-def simulate(program: Program, costs: ActionCosts) -> SimulationResult:
+def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True) -> SimulationResult:
     """Simulate one step of ``program`` with per-action ``costs``.
 
     Does not check the program (run :func:`lightning_pipe.schedules.validate` for that) except
@@ -150,6 +149,8 @@ def simulate(program: Program, costs: ActionCosts) -> SimulationResult:
     Args:
         program: what every rank runs.
         costs: seconds and bytes per stage and microbatch; must cover the program's stages.
+        record_events: False skips ``events`` and ``critical_path`` (left empty): about twice as
+            fast, for planners that only compare numbers.
 
     Returns:
         Makespan, per-rank busy/idle time, bubble ratio, peak memory, in-flight peak, critical
@@ -161,41 +162,59 @@ def simulate(program: Program, costs: ActionCosts) -> SimulationResult:
     """
     _check_costs(program, costs)
     num_ranks = program.num_ranks
+    # Per rank and step: (0, duration) compute, (1, message) send, (2, message, transfer) receive.
+    plans: list[list[tuple]] = []
+    for actions in program.actions:
+        plan: list[tuple] = []
+        for a in actions:
+            kind = a.type
+            if kind is _SEND_F or kind is _SEND_B:
+                plan.append((1, message_key(a)))
+            elif kind is _RECV_F or kind is _RECV_B:
+                key = message_key(a)
+                plan.append((2, key, costs.transfer(min(key[0], key[1]), key[2])))
+            else:
+                plan.append((0, _duration(a, costs)))
+        plans.append(plan)
     clock = [0.0] * num_ranks
     pointer = [0] * num_ranks
     busy = [0.0] * num_ranks
     last_event = [-1] * num_ranks
     events: list[TimedAction] = []
+    ends: list[float] = []
     predecessor: list[int] = []
-    send_event: dict[Message, int] = {}
+    send_event: dict[tuple[int, int, int], int] = {}
     progress = True
     while progress:
         progress = False
-        for rank, actions in enumerate(program.actions):
-            while pointer[rank] < len(actions):
-                action = actions[pointer[rank]]
-                start = clock[rank]
+        for rank, plan in enumerate(plans):
+            actions = program.actions[rank]
+            position, time = pointer[rank], clock[rank]
+            while position < len(plan):
+                step = plan[position]
                 before = last_event[rank]
-                if action.type in _RECV:
-                    message = message_of(action)
-                    sender = send_event.get(message)
+                if step[0] == 2:
+                    sender = send_event.get(step[1])
                     if sender is None:
                         break
-                    boundary = min(message.src_stage, message.dst_stage)
-                    arrival = events[sender].end + costs.transfer(boundary, message.microbatch)
-                    end = max(start, arrival)
-                    if arrival > start:
+                    arrival = ends[sender] + step[2]
+                    end = time if time >= arrival else arrival
+                    if arrival > time:
                         before = sender
                 else:
-                    end = start + _duration(action, costs)
-                    busy[rank] += end - start
-                if action.type in _SEND:
-                    send_event[message_of(action)] = len(events)
-                predecessor.append(before)
-                last_event[rank] = len(events)
-                events.append(TimedAction(rank, action, start, end))
-                clock[rank] = end
-                pointer[rank] += 1
+                    end = time + step[1] if step[0] == 0 else time
+                    busy[rank] += end - time
+                    if step[0] == 1:
+                        send_event[step[1]] = len(ends)
+                if record_events:
+                    predecessor.append(before)
+                    events.append(TimedAction(rank, actions[position], time, end))
+                last_event[rank] = len(ends)
+                ends.append(end)
+                time = end
+                position += 1
+            if position != pointer[rank]:
+                pointer[rank], clock[rank] = position, time
                 progress = True
     blocked = [r for r in range(num_ranks) if pointer[r] < len(program.actions[r])]
     if blocked:
@@ -209,10 +228,10 @@ def simulate(program: Program, costs: ActionCosts) -> SimulationResult:
             action=program.actions[rank][pointer[rank]],
             grid=format_grid(program.actions, mark=(rank, pointer[rank]), window=12),
         )
-    makespan = max((e.end for e in events), default=0.0)
+    makespan = max(ends, default=0.0)
     idle = tuple(makespan - b for b in busy)
     bubble = sum(idle) / (num_ranks * makespan) if makespan > 0 else 0.0
-    training = any(a.type.is_backward for actions in program.actions for a in actions)
+    training = any(a.type is ActionType.BACKWARD or a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
     memory = [_memory(program, r, costs, training) for r in range(num_ranks)]
     return SimulationResult(
         name=program.name,

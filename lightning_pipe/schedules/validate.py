@@ -16,13 +16,18 @@ from collections.abc import Sequence
 
 from .instructions import is_registered_instruction
 from .ir import Action, ActionType, Program
-from .lowering import Message, _produces, message_of
+from .lowering import Message, _produces, is_communication, message_key, message_of, send_of
 
 __all__ = ["ScheduleError", "validate", "format_grid"]
 
 _F, _B, _I, _W = (ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
 _BACKWARD_KINDS = frozenset({_B, _I, _W})
 _RECV = frozenset({ActionType.RECV_F, ActionType.RECV_B})
+
+
+def _is_compute(kind: ActionType) -> bool:
+    """Fast ``kind.is_compute`` (identity tests; Enum hashing is a Python-level call)."""
+    return kind is _F or kind is _B or kind is _I or kind is _W
 _GRID_WINDOW = 12  # steps shown on each side of the failing step in long programs
 
 
@@ -134,7 +139,7 @@ def _check_exactly_once(program: Program, forward_only: bool) -> None:
     where: dict[tuple[ActionType, int, int], tuple[int, int]] = {}
     for rank, actions in enumerate(program.actions):
         for step, a in enumerate(actions):
-            if a.type.is_compute:
+            if _is_compute(a.type):
                 key = (a.type, a.stage, a.microbatch)
                 counts[key] += 1
                 if counts[key] == 2:
@@ -203,7 +208,7 @@ def _check_order(program: Program) -> None:
                         _fail(program, f"{a} runs before {why}", "dependency", rank, step)
                 elif required not in done:
                     _fail(program, f"{a} runs before {Action(required[1], required[0], required[2])} ({why})", "dependency", rank, step)
-            if a.type.is_communication:
+            if is_communication(a.type):
                 if key in done:
                     _fail(program, f"{a} appears twice", "communication", rank, step)
                 msg = message_of(a)
@@ -212,47 +217,51 @@ def _check_order(program: Program) -> None:
             done.add(key)
         # Every tensor this rank produces for another rank is sent.
         for step, a in enumerate(actions):
-            if a.type.is_compute:
+            if _is_compute(a.type):
                 message = _produces(a, rank_of)
                 if message is not None:
-                    send = message.send
+                    send = send_of(*message)
                     if (send.type, send.stage, send.microbatch) not in done:
                         _fail(program, f"{a} needs {send} after it (CONVENTIONS.md)", "communication", rank, step)
 
 
 def _check_matching_and_deadlock(program: Program) -> None:
     rank_of = program.stage_to_rank
-    sends: dict[tuple[int, int], list[tuple[Message, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[Message, int]]] = {}
+    # Per rank: (is_receive, message key) for communication actions, None for the others.
+    comms: list[list[tuple[bool, tuple[int, int, int]] | None]] = []
+    sends: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}
     for rank, actions in enumerate(program.actions):
+        row: list[tuple[bool, tuple[int, int, int]] | None] = []
         for step, a in enumerate(actions):
-            if a.type.is_communication:
-                msg = message_of(a)
-                if a.type in (ActionType.SEND_F, ActionType.SEND_B):
-                    sends.setdefault((rank, rank_of[msg.dst_stage]), []).append((msg, step))
+            kind = a.type
+            if is_communication(kind):
+                key = message_key(a)
+                receive = kind is ActionType.RECV_F or kind is ActionType.RECV_B
+                if receive:
+                    recvs.setdefault((rank_of[key[0]], rank), []).append((key, step))
                 else:
-                    recvs.setdefault((rank_of[msg.src_stage], rank), []).append((msg, step))
+                    sends.setdefault((rank, rank_of[key[1]]), []).append((key, step))
+                row.append((receive, key))
+            else:
+                row.append(None)
+        comms.append(row)
     for pair in sorted(set(sends) | set(recvs)):
         out, into = sends.get(pair, []), recvs.get(pair, [])
         for k in range(max(len(out), len(into))):
             if k >= len(into):
-                _fail(program, f"{out[k][0].send} has no matching receive on rank {pair[1]}", "matching", pair[0], out[k][1])
+                _fail(program, f"{Message(*out[k][0]).send} has no matching receive on rank {pair[1]}", "matching", pair[0], out[k][1])
             if k >= len(out):
-                _fail(program, f"{into[k][0].recv} has no matching send on rank {pair[0]}", "matching", pair[1], into[k][1])
+                _fail(program, f"{Message(*into[k][0]).recv} has no matching send on rank {pair[0]}", "matching", pair[1], into[k][1])
             if out[k][0] != into[k][0]:
                 _fail(
                     program,
-                    f"receive #{k} from rank {pair[0]} is {into[k][0].recv} but that rank's send #{k} is "
-                    f"{out[k][0].send} (sends and receives between two ranks must match in order)",
+                    f"receive #{k} from rank {pair[0]} is {Message(*into[k][0]).recv} but that rank's send #{k} is "
+                    f"{Message(*out[k][0]).send} (sends and receives between two ranks must match in order)",
                     "matching", pair[1], into[k][1],
                 )
     # Deadlock: advance every rank as far as it can; a receive waits for its send to be issued.
-    # Per rank: (is_receive, message) for communication actions, None for the others.
-    comms = [
-        [(a.type in _RECV, message_of(a)) if a.type.is_communication else None for a in actions]
-        for actions in program.actions
-    ]
-    issued: set[Message] = set()
+    issued: set[tuple[int, int, int]] = set()
     pointer = [0] * program.num_ranks
     progress = True
     while progress:

@@ -138,11 +138,13 @@ def test_unmatched_receive_is_a_deadlock():
 
 
 def test_simulation_speed_p8_m64(capsys):
+    """Prints the time of one simulation (target < 50 ms); asserts nothing about time (CI load varies)."""
     program = Schedule("1f1b").build(8, 64)
     costs = ActionCosts.uniform(8, 64)
-    start = time.perf_counter()
-    simulate(program, costs)
-    elapsed = time.perf_counter() - start
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = simulate(program, costs)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     with capsys.disabled():
-        print(f"\n[benchmark] simulate 1f1b p=8 m=64 ({sum(map(len, program.actions))} actions): {elapsed * 1e3:.1f} ms")
-    assert elapsed < 1.0  # loose sanity bound only; the target (< 50 ms) is printed above, not asserted
+        print(f"\n[benchmark] simulate 1f1b p=8 m=64 ({sum(map(len, program.actions))} actions): "
+              f"{cpu * 1e3:.1f} ms CPU, {wall * 1e3:.1f} ms wall")
+    assert result.makespan == pytest.approx(3 * (64 + 7))
