@@ -1,11 +1,92 @@
-"""Pipeline schedules as plain data: IR, families, validator, simulator (pure Python, no torch)."""
+"""Pipeline schedules as plain data: IR, families, DSL, validator, simulator, pictures. No torch.
 
-from . import families as _families  # noqa: F401  (registers the built-in families)
+What is public is listed in ``__all__``; everything else (``lowering``, ``dsl_engine``, helpers
+with a leading underscore) may change. Typical use::
+
+    from lightning_pipe.schedules import ActionCosts, render_ascii, resolve_schedule, simulate, validate
+
+    schedule = resolve_schedule("interleaved_1f1b")          # or a DSL spec, text or dict
+    program = validate(schedule.build(num_ranks=4, num_microbatches=8))
+    result = simulate(program, ActionCosts.uniform(program.num_stages, 8))
+    print(render_ascii(result), result.bubble_ratio)
+"""
+
+from . import families as _families  # noqa: F401  (importing registers the built-in families)
+from .auto import AutoScheduleRow, auto_schedule, format_auto_table, render_auto_table, split_stages
 from .costs import ActionCosts
-from .dsl import PRESETS, RuleContext, ScheduleSpec, build_spec, parse_spec, register_rule
-from .instructions import Instruction, available_instructions, custom_action, get_instruction, register_instruction
+from .dsl import PRESETS, ScheduleSpec, build_spec, parse_spec, register_rule
+from .dsl_engine import RuleContext
+from .instructions import (
+    Instruction,
+    available_instructions,
+    custom_action,
+    get_instruction,
+    register_instruction,
+    unregister_instruction,
+)
 from .ir import Action, ActionType, B, F, I, Program, W
 from .lowering import build_program, forward_only, insert_communication, place_stages
 from .registry import Schedule, available_schedules, register_schedule, resolve_schedule
+from .render import render_ascii, render_png, to_chrome_trace, write_chrome_trace
 from .simulate import SimulationResult, TimedAction, simulate
-from .validate import ScheduleError, validate
+from .text import format_action, format_csv, format_table, parse_action, parse_csv, parse_table
+from .validate import ScheduleError, format_grid, validate
+
+__all__ = [
+    # IR and costs (the shared contract)
+    "Action",
+    "ActionType",
+    "Program",
+    "ActionCosts",
+    "F",
+    "B",
+    "I",
+    "W",
+    # families and registry
+    "Schedule",
+    "resolve_schedule",
+    "register_schedule",
+    "available_schedules",
+    "forward_only",
+    "build_program",
+    "insert_communication",
+    "place_stages",
+    # checking and measuring
+    "validate",
+    "ScheduleError",
+    "format_grid",
+    "simulate",
+    "SimulationResult",
+    "TimedAction",
+    # text forms (torch.distributed.pipelining tokens and CSV)
+    "format_action",
+    "parse_action",
+    "format_csv",
+    "parse_csv",
+    "format_table",
+    "parse_table",
+    # pictures
+    "render_ascii",
+    "render_png",
+    "to_chrome_trace",
+    "write_chrome_trace",
+    # DSL
+    "ScheduleSpec",
+    "parse_spec",
+    "build_spec",
+    "PRESETS",
+    "RuleContext",
+    "register_rule",
+    "Instruction",
+    "register_instruction",
+    "unregister_instruction",
+    "get_instruction",
+    "available_instructions",
+    "custom_action",
+    # auto-scheduler
+    "auto_schedule",
+    "AutoScheduleRow",
+    "format_auto_table",
+    "render_auto_table",
+    "split_stages",
+]
