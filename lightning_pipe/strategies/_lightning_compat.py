@@ -6,11 +6,14 @@ A Lightning upgrade that renames one of these breaks this file and its test
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -37,22 +40,62 @@ def set_skip_backward(trainer: pl.Trainer, skip: bool) -> None:
     trainer.fit_loop._skip_backward = skip
 
 
-class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Spawn launcher that sends the *whole* model back to the main process.
+class PipelineMultiProcessingLauncher(_Launcher):
+    """Spawn/fork launcher of the pipeline strategy: Lightning's, with three differences.
 
-    Lightning's launcher sends rank 0's ``state_dict()``, which holds only rank 0's stage; this one
-    sends the state dict the strategy gathered from every stage.
+    * Configuration errors that need only the module (no block stack, a partition that does not
+      fit, manual optimization) are raised in the main process before any process starts.
+    * After ``fit``, the *whole* model comes back to the main process (Lightning's launcher sends
+      rank 0's ``state_dict()``, which holds only rank 0's stage).
+    * ``trainer.predict`` returns predictions (rank 0 holds those of every batch it saw: the whole
+      dataset without data parallelism). Lightning refuses that for any ``_MultiProcessingLauncher``
+      because a DDP rank holds only its shard, so this class wraps one instead of being one.
     """
+
+    def __init__(self, strategy: Any, start_method: str) -> None:
+        self._strategy = strategy
+        self._launcher = _GatheringLauncher(strategy, start_method=start_method)
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return self._launcher.is_interactive_compatible
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None and trainer.lightning_module is not None:
+            self._strategy.validate_module(trainer.lightning_module)
+        results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
+        return results.load() if isinstance(results, _ResultBytes) else results
+
+    def kill(self, signum: Any) -> None:
+        self._launcher.kill(signum)
+
+
+class _GatheringLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher, sending back the state dict gathered from every stage."""
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
-        state_dict = self._strategy.lightning_module_state_dict()  # a collective: every rank takes part
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        state_dict = self._strategy.lightning_module_state_dict() if fitting else {}  # a collective when fitting
         if self._strategy.global_rank != 0:
             return None
         weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, _ResultBytes(results), extra)
+
+
+class _ResultBytes:
+    """A worker's results as bytes: tensors put on the return queue as they are would be shared
+    through file descriptors that vanish when the worker exits (predictions, for instance)."""
+
+    def __init__(self, results: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(results, buffer)
+        self.data = buffer.getvalue()
+
+    def load(self) -> Any:
+        return torch.load(io.BytesIO(self.data), weights_only=False)

@@ -20,6 +20,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -169,6 +170,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.layout  # at `Trainer(...)`: pipeline_parallel_size must divide the process count
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = compat._SubprocessScriptLauncher(
@@ -192,12 +194,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError(
-                f"`{type(self).__name__}` does not support manual optimization (`automatic_optimization = False`) "
-                f"in `{type(self.lightning_module).__name__}`: the pipeline runs backward inside the step. Use "
-                "automatic optimization."
-            )
+        self.validate_module(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         self._shard(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -205,6 +202,28 @@ class ElasticPipelineStrategy(ParallelStrategy):
             compat.set_skip_backward(trainer, True)
         self.setup_precision_plugin()
         install_global_norm_clipping(self.precision_plugin, self._global_gradient_norm)
+
+    def validate_module(self, module: Any) -> None:
+        """Raise the configuration errors that need only the module (no process group, no data).
+
+        The spawn/fork launcher calls this in the main process before starting any process, and
+        ``setup`` on every rank. The block stack is checked here only if the module does not build
+        layers in ``configure_model`` (before setup they may not exist yet; ``setup`` checks then).
+
+        Raises:
+            ValueError: manual optimization, no block stack, more stages than blocks, or a
+                ``partition`` that does not fit the blocks.
+        """
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"`{type(self).__name__}` does not support manual optimization (`automatic_optimization = False`) "
+                f"in `{type(module).__name__}`: the pipeline runs backward inside the step. Use automatic optimization."
+            )
+        if is_overridden("configure_model", module):
+            return
+        stack = find_blocks(module, self._blocks)
+        num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
+        initial_partition(self._partition_spec, module, analyze_units(module, stack), num_stages)
 
     def _shard(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -435,6 +454,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
         box = [obj]
         torch.distributed.broadcast_object_list(box, src)
         return box[0]
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Combine a decision of every process (Lightning's default goes through :meth:`reduce`, which
+        here spans only data-parallel replicas: ModelCheckpoint would never see a unanimous vote)."""
+        if not _distributed_is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes > 0)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
