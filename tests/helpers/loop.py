@@ -9,13 +9,14 @@ step by step.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -94,3 +95,30 @@ def rank_files(directory: Path) -> dict[int, str]:
         for name in os.listdir(directory)
         if name.startswith("rank") and name.endswith(".txt")
     }
+
+
+class Record(Callback):
+    """Writes, in every process, one JSON line per validation and one at the end of training.
+
+    Lines go to ``directory/rank<global rank>.txt``; read them back with :func:`records`.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def _write(self, trainer: L.Trainer, **entry: Any) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / f"rank{trainer.global_rank}.txt", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+        self._write(trainer, event="validation", sanity=trainer.sanity_checking, step=trainer.global_step, **metrics)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, event="end", step=trainer.global_step, epoch=trainer.current_epoch)
+
+
+def records(directory: Path) -> dict[int, list[dict]]:
+    """The lines :class:`Record` wrote, by global rank."""
+    return {rank: [json.loads(line) for line in text.splitlines()] for rank, text in rank_files(directory).items()}
