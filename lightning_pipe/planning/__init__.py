@@ -1,0 +1,79 @@
+"""Pure planning for per-batch repartitioning: cost model, profile fits, partition planner, trigger.
+
+Numbers in, numbers out (numpy and scipy; no torch, no Lightning, no processes). Uses
+:mod:`lightning_pipe.schedules` to simulate programs. See ``docs/repartitioning.md``.
+
+Public API: the names in ``__all__`` below. Modules ``bounds`` and ``batch_simulation`` are the
+planner's machinery and may change.
+"""
+
+from lightning_pipe.planning.boundaries import (
+    balanced_partition,
+    check_boundaries,
+    random_partition,
+    uniform_partition,
+    unit_ranges,
+)
+from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost, UnitTables
+from lightning_pipe.planning.fit import LinearFit, TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
+from lightning_pipe.planning.gpt import gpt_1_3b, gpt_7b, gpt_cost_model
+from lightning_pipe.planning.migration import MigrationCalibration, MigrationEstimate, estimate_migration
+from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
+from lightning_pipe.planning.traces import (
+    LengthTrace,
+    flan_like_trace,
+    github_like_trace,
+    sample_flan_lengths,
+    sample_github_lengths,
+    split_microbatches,
+)
+from lightning_pipe.planning.trigger import (
+    StepPrediction,
+    TriggerConfig,
+    TriggerDecision,
+    decide_repartition,
+    predicted_gain,
+)
+
+__all__ = [
+    # cost model and profiles
+    "MicrobatchShape",
+    "LinearCost",
+    "UnitCost",
+    "UnitTables",
+    "CostModel",
+    "gpt_cost_model",
+    "gpt_1_3b",
+    "gpt_7b",
+    # fitting measured samples
+    "TimingSample",
+    "LinearFit",
+    "UnitFit",
+    "fit_linear_cost",
+    "fit_unit_cost",
+    # partitions
+    "check_boundaries",
+    "unit_ranges",
+    "uniform_partition",
+    "balanced_partition",
+    "random_partition",
+    "PartitionPlan",
+    "plan_partition",
+    "evaluate_partition",
+    # migration and trigger
+    "MigrationEstimate",
+    "MigrationCalibration",
+    "estimate_migration",
+    "TriggerConfig",
+    "StepPrediction",
+    "TriggerDecision",
+    "decide_repartition",
+    "predicted_gain",
+    # length traces
+    "LengthTrace",
+    "flan_like_trace",
+    "github_like_trace",
+    "sample_flan_lengths",
+    "sample_github_lengths",
+    "split_microbatches",
+]

@@ -1,0 +1,252 @@
+"""Lower bounds on a program's simulated step time and memory that are linear in stage costs.
+
+These make :func:`~lightning_pipe.planning.partition.plan_partition` exact without simulating every
+partition. The idea: a program fixes *which* action waits on which (program order on a rank, a
+receive on its send); only durations depend on the partition. So any chain of actions, each waiting
+on the previous one, gives ``makespan >= sum of the chain's durations`` for *every* partition, and
+that sum is a sum over stages of what the chain does on each stage: a function of one stage's block
+range at a time. Two kinds of chain are used:
+
+- a rank's whole action list (its busy time), valid for any program;
+- the simulator's critical path of a partition already simulated (tight for that partition and
+  usually close for its neighbours).
+
+Peak memory needs no bound: the simulator counts static bytes plus saved activations alive, and
+which (stage, microbatch) pairs are alive after each action depends on the program order only, so
+:class:`ProgramAnalysis` computes the simulator's peak memory exactly from stage costs.
+
+Pure numpy; mirrors the accounting of :func:`lightning_pipe.schedules.simulate` (sends take no time,
+a receive ends no earlier than its send plus the transfer time, ``I`` and ``W`` cost half a ``B``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_pipe.schedules.costs import ActionCosts
+from lightning_pipe.schedules.ir import Action, ActionType, Program
+from lightning_pipe.schedules.simulate import TimedAction
+
+_SEND_TO_RECV = {ActionType.SEND_F: (ActionType.RECV_F, +1), ActionType.SEND_B: (ActionType.RECV_B, -1)}
+_RELEASE = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """How often a chain of actions runs each (stage, microbatch) piece of work.
+
+    Attributes:
+        forward: ``[stage, microbatch]`` count of forwards (and recomputes, which cost a forward).
+        backward: ``[stage, microbatch]`` count of backwards, a ``B`` counting 1 and ``I``/``W`` 0.5.
+        transfer: ``[stage, microbatch]`` count of transfers across the boundary after ``stage``.
+        constant: seconds of actions whose cost does not depend on the partition.
+    """
+
+    forward: np.ndarray
+    backward: np.ndarray
+    transfer: np.ndarray
+    constant: float = 0.0
+
+
+def _empty_chain(program: Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    shape = (program.num_stages, program.num_microbatches)
+    return np.zeros(shape), np.zeros(shape), np.zeros(shape)
+
+
+def _charge(action: Action, forward: np.ndarray, backward: np.ndarray) -> None:
+    kind, s, mb = action.type, action.stage, action.microbatch
+    if kind in (ActionType.FORWARD, ActionType.RECOMPUTE):
+        forward[s, mb] += 1
+    elif kind is ActionType.BACKWARD:
+        backward[s, mb] += 1
+    elif kind in (ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT):
+        backward[s, mb] += 0.5
+
+
+def _custom_seconds(action: Action) -> float:
+    if action.type is not ActionType.CUSTOM or not action.name:
+        return 0.0
+    from lightning_pipe.schedules.instructions import get_instruction, is_registered_instruction
+
+    return get_instruction(action.name).seconds if is_registered_instruction(action.name) else 0.0
+
+
+def _backward_kinds(program: Program) -> dict[tuple[int, int | None], ActionType]:
+    return {(a.stage, a.microbatch): a.type for acts in program.actions for a in acts if a.type.is_backward}
+
+
+def _add_tail(program: Program, kinds: dict, last: Action, backward: np.ndarray, transfer: np.ndarray) -> None:
+    """Backwards of ``last``'s microbatch on the stages before it, which must follow ``last``."""
+    if not last.type.is_backward:
+        return
+    for s in range(last.stage - 1, -1, -1):
+        kind = kinds.get((s, last.microbatch))
+        if kind is None:
+            return
+        backward[s, last.microbatch] += 1.0 if kind is ActionType.BACKWARD else 0.5
+        if program.rank_of(s) != program.rank_of(s + 1):
+            transfer[s, last.microbatch] += 1
+
+
+def rank_chain(program: Program, rank: int) -> Chain:
+    """All of ``rank``'s actions in program order, with the work that must precede and follow them.
+
+    Before the rank's first action, a forward ``F(s, m)``, the forwards of ``m`` on stages
+    ``0 .. s - 1`` must run; after its last action, a backward of ``(s, m)``, the backwards of ``m``
+    on stages ``s - 1 .. 0`` must still run. A valid bound for any partition: busy time plus the
+    pipeline fill and drain this rank cannot hide.
+    """
+    forward, backward, transfer = _empty_chain(program)
+    constant = 0.0
+    actions = program.actions[rank]
+    for action in actions:
+        _charge(action, forward, backward)
+        constant += _custom_seconds(action)
+    compute = [a for a in actions if a.type.is_compute]
+    if compute and compute[0].type is ActionType.FORWARD:
+        first = compute[0]
+        for s in range(first.stage - 1, -1, -1):
+            forward[s, first.microbatch] += 1
+            if program.rank_of(s) != program.rank_of(s + 1):
+                transfer[s, first.microbatch] += 1
+    if compute:
+        _add_tail(program, _backward_kinds(program), compute[-1], backward, transfer)
+    return Chain(forward, backward, transfer, constant)
+
+
+def path_chain(program: Program, path: Sequence[Action]) -> Chain:
+    """The chain of a path of actions, each waiting on the previous one (a simulator critical path).
+
+    A receive that follows its own send on the path adds the transfer time of that boundary; any
+    other link is program order on one rank and adds nothing.
+    """
+    forward, backward, transfer = _empty_chain(program)
+    constant = 0.0
+    previous: Action | None = None
+    for action in path:
+        _charge(action, forward, backward)
+        constant += _custom_seconds(action)
+        if previous is not None and previous.type in _SEND_TO_RECV:
+            receive, step = _SEND_TO_RECV[previous.type]
+            if (
+                action.type is receive
+                and action.stage == previous.stage + step
+                and action.microbatch == previous.microbatch
+            ):
+                transfer[min(previous.stage, action.stage), action.microbatch] += 1
+        previous = action
+    return Chain(forward, backward, transfer, constant)
+
+
+def rank_end_chains(program: Program, events: Sequence[TimedAction], costs: ActionCosts) -> list[Chain]:
+    """For every rank, the chain of actions that made its last action end when it did.
+
+    Walks back from each rank's last event of a simulation: a receive that waited goes to its send,
+    anything else to the previous action of the same rank. Every chain equals its rank's finish time
+    for the simulated partition and is a lower bound on the step for any other, so one simulation
+    yields one bound per rank instead of only the critical path.
+    """
+    by_rank: list[list[TimedAction]] = [[] for _ in range(program.num_ranks)]
+    sends: dict[tuple[ActionType, int, int | None], tuple[int, int]] = {}
+    for event in events:
+        action = event.action
+        if action.type in _SEND_TO_RECV:
+            receive, step = _SEND_TO_RECV[action.type]
+            sends[(receive, action.stage + step, action.microbatch)] = (event.rank, len(by_rank[event.rank]))
+        by_rank[event.rank].append(event)
+    chains = []
+    for rank in range(program.num_ranks):
+        path: list[Action] = []
+        position: tuple[int, int] | None = (rank, len(by_rank[rank]) - 1) if by_rank[rank] else None
+        while position is not None:
+            r, i = position
+            event = by_rank[r][i]
+            path.append(event.action)
+            action = event.action
+            sender = sends.get((action.type, action.stage, action.microbatch))
+            if sender is not None:
+                boundary = min(action.stage, by_rank[sender[0]][sender[1]].action.stage)
+                arrival = by_rank[sender[0]][sender[1]].end + costs.transfer(boundary, action.microbatch)
+                if arrival > event.start:
+                    position = sender
+                    continue
+            position = (r, i - 1) if i > 0 else None
+        chains.append(path_chain(program, path[::-1]))
+    return chains
+
+
+@dataclass(frozen=True)
+class ProgramAnalysis:
+    """What the partition search needs to know about a program, computed once per program.
+
+    Attributes:
+        program: the program.
+        rank_chains: one :func:`rank_chain` per rank.
+        alive: per rank, a 0/1 matrix ``[moment, stage, microbatch]``: which saved activations are
+            alive after each action that changes them (the simulator's memory accounting).
+    """
+
+    program: Program
+    rank_chains: tuple[Chain, ...]
+    alive: tuple[np.ndarray, ...]
+
+    @classmethod
+    def of(cls, program: Program) -> ProgramAnalysis:
+        """Analyse ``program``."""
+        return cls(
+            program=program,
+            rank_chains=tuple(rank_chain(program, r) for r in range(program.num_ranks)),
+            alive=tuple(_alive_moments(program, r) for r in range(program.num_ranks)),
+        )
+
+    def peak_memory(self, rank: int, saved: np.ndarray, static: np.ndarray) -> float:
+        """Peak bytes of ``rank`` exactly as the simulator counts them.
+
+        Args:
+            rank: pipeline rank.
+            saved: saved activation bytes ``[stage, microbatch]``.
+            static: static bytes ``[stage]``.
+        """
+        stages = list(self.program.stages_of(rank))
+        moments = self.alive[rank]
+        activations = float(np.einsum("tsm,sm->t", moments, saved).max()) if moments.size else 0.0
+        return float(static[stages].sum()) + max(activations, 0.0)
+
+
+def _alive_moments(program: Program, rank: int) -> np.ndarray:
+    """0/1 ``[moment, stage, microbatch]`` of alive saved activations after each change (see simulate)."""
+    actions = program.actions[rank]
+    training = any(a.type.is_backward for acts in program.actions for a in acts)
+    recomputed = {(a.stage, a.microbatch) for a in actions if a.type is ActionType.RECOMPUTE}
+    current = np.zeros((program.num_stages, program.num_microbatches))
+    held: set[tuple[int, int]] = set()
+    offloaded: set[tuple[int, int]] = set()
+    moments = []
+    for a in actions:
+        key = (a.stage, a.microbatch)
+        if a.microbatch is None:
+            continue
+        if a.type is ActionType.FORWARD and training and key not in recomputed:
+            held.add(key)
+        elif a.type is ActionType.RECOMPUTE:
+            held.add(key)
+        elif a.type in _RELEASE:
+            held.discard(key)
+        elif a.type is ActionType.OFFLOAD and key in held:
+            held.discard(key)
+            offloaded.add(key)
+        elif a.type is ActionType.RELOAD and key in offloaded:
+            offloaded.discard(key)
+            held.add(key)
+        else:
+            continue
+        current[:] = 0.0
+        for s, mb in held:
+            current[s, mb] = 1.0
+        moments.append(current.copy())
+    if not moments:
+        return np.zeros((0, program.num_stages, program.num_microbatches))
+    return np.unique(np.stack(moments), axis=0)
