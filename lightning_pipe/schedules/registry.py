@@ -20,6 +20,7 @@ __all__ = [
     "Schedule",
     "ScheduleFamily",
     "register_schedule",
+    "unregister_schedule",
     "available_schedules",
     "get_family",
     "resolve_schedule",
@@ -80,6 +81,11 @@ def register_schedule(
         stages_per_rank = int(parameter.default)
     _FAMILIES[name] = ScheduleFamily(name, fn, stages_per_rank, accepts)
     return fn
+
+
+def unregister_schedule(name: str) -> None:
+    """Forget family ``name`` (tests, notebooks). Unknown names are ignored."""
+    _FAMILIES.pop(name, None)
 
 
 def available_schedules() -> tuple[str, ...]:

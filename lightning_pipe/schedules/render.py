@@ -128,32 +128,37 @@ def render_png(timeline: Timeline, path: str | Path, *, title: str | None = None
 
     events, num_ranks, end = _events(timeline)
     drawn = [e for e in events if e.action.type in _DRAWN and e.end > e.start]
-    multi = [len({e.action.stage for e in drawn if e.rank == r}) > 1 for r in range(num_ranks)]
-    figure = Figure(figsize=(min(24.0, 3.0 + 0.35 * max(1, len(drawn) / max(1, num_ranks))), 0.9 + 0.45 * num_ranks))
+    span = end if end > 0 else 1.0
+    width_inches = min(16.0, 4.0 + 0.22 * max(1, len(drawn) / max(1, num_ranks)))
+    figure = Figure(figsize=(width_inches, 1.3 + 0.45 * num_ranks))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     lowest = {r: min((e.action.stage for e in drawn if e.rank == r), default=0) for r in range(num_ranks)}
+    points_per_second = 0.85 * width_inches * 72 / span  # bar width in points, to decide on labels
     for e in drawn:
-        later_chunk = multi[e.rank] and e.action.stage != lowest[e.rank]
+        later_chunk = e.action.stage != lowest[e.rank]
         axes.barh(
             e.rank, e.end - e.start, left=e.start, height=0.8, color=_COLORS[e.action.type],
-            alpha=0.6 if later_chunk else 1.0, edgecolor="white", linewidth=0.6,
+            alpha=0.55 if later_chunk else 1.0, edgecolor="white", linewidth=0.6,
         )
-        if e.action.microbatch is not None and (e.end - e.start) >= 0.025 * max(end, 1e-12):
-            axes.text((e.start + e.end) / 2, e.rank, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white")
+        label = "" if e.action.microbatch is None else str(e.action.microbatch)
+        if label and (e.end - e.start) * points_per_second >= 4 + 5 * len(label):
+            axes.text((e.start + e.end) / 2, e.rank, label, ha="center", va="center", fontsize=6.5,
+                      color="black" if later_chunk else "white")
     axes.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
     axes.set_ylim(num_ranks - 0.5, -0.5)
-    axes.set_xlim(0, end if end > 0 else 1)
-    axes.set_xlabel("time")
+    axes.set_xlim(0, span)
+    axes.set_xlabel("time (numbers in bars: microbatch; pale: a later stage of that rank)", fontsize=8)
     if title is None:
         title = "timeline"
         if isinstance(timeline, SimulationResult):
             title = f"{timeline.name}: makespan {timeline.makespan:g}, bubble {timeline.bubble_ratio:.1%}"
-    axes.set_title(title, fontsize=10)
+    axes.set_title(title, fontsize=9, loc="left")
     kinds = sorted({e.action.type for e in drawn}, key=lambda t: list(_COLORS).index(t))
-    names = {ActionType.FORWARD: "F", ActionType.BACKWARD: "B", ActionType.BACKWARD_INPUT: "I (input grad)",
-             ActionType.BACKWARD_WEIGHT: "W (weight grad)", ActionType.RECOMPUTE: "recompute", ActionType.CUSTOM: "instruction"}
-    axes.legend(handles=[Patch(color=_COLORS[k], label=names[k]) for k in kinds], loc="upper right", fontsize=7, ncol=len(kinds))
+    names = {ActionType.FORWARD: "F forward", ActionType.BACKWARD: "B backward", ActionType.BACKWARD_INPUT: "I input grad",
+             ActionType.BACKWARD_WEIGHT: "W weight grad", ActionType.RECOMPUTE: "recompute", ActionType.CUSTOM: "instruction"}
+    axes.legend(handles=[Patch(color=_COLORS[k], label=names[k]) for k in kinds], loc="lower right",
+                bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False, borderaxespad=0.2)
     figure.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
