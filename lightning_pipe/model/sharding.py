@@ -39,7 +39,9 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
 
     Parameters are replaced by new ``nn.Parameter`` objects (a tensor cannot change between meta and
     a real device in place), so call this before optimizers are created. Tensors registered under
-    several names stay shared.
+    several names stay shared. Owned tensors that are still on the meta device (a module built under
+    ``trainer.init_module(empty_init=True)``) are allocated uninitialized on ``device``, to be filled
+    from a checkpoint, as with any empty initialization.
     """
     owned = _owned_names(layout, units)
     replaced: dict[int, torch.Tensor] = {}
@@ -51,7 +53,12 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
                     continue
                 if id(tensor) not in replaced:
                     keep = prefix + name in owned
-                    new = tensor.to(device) if keep else torch.empty_like(tensor, device="meta")
+                    if not keep:
+                        new = torch.empty_like(tensor, device="meta")
+                    elif tensor.is_meta:
+                        new = torch.empty_like(tensor, device=device)
+                    else:
+                        new = tensor.to(device)
                     if isinstance(tensor, nn.Parameter) and not isinstance(new, nn.Parameter):
                         new = nn.Parameter(new, requires_grad=tensor.requires_grad)
                     replaced[id(tensor)] = new

@@ -46,6 +46,7 @@ from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_sc
 from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies import checkpointing
 from lightning_pipe.strategies.partitioning import initial_partition
+from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.precision import install_global_norm_clipping
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
             ``"spawn"``/``"fork"`` (start processes from the current one; notebooks, tests).
         timeout: how long a collective or transfer may wait before the process group gives up,
             so that a crashed rank does not leave the others hanging forever.
+        memory_budget: bytes per device (or ``"40GiB"``) for parameters, gradients, optimizer state
+            and saved activations; enforced on the accounted bytes (on CPU, where no allocator
+            runs out). None: no budget. See docs/memory.md.
+        recompute: ``"none"``, ``"full"``, ``"keep_attention"`` (recompute all but attention), an
+            integer ``k`` (full recomputation of every ``k``-th block), a ``StageMemory`` or
+            ``MemoryPlan``, or ``"auto"``: the fastest plan under ``memory_budget`` for the first batch.
+        offload: True (saved activations of every block not recomputed go to host memory until
+            backward), False, or a number of blocks per stage.
+        mlp_chunk_size: run position-wise MLP submodules (named ``mlp``, ``ffn``, ``feed_forward``) in
+            sequence chunks of this size (HelixPipe's chunked MLP); None: in one piece.
     """
 
     strategy_name = "elastic_pipe"
@@ -85,6 +96,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         timeout: timedelta = default_pg_timeout,
+        memory_budget: str | int | None = None,
+        recompute: RecomputeSpec = None,
+        offload: bool | int = False,
+        mlp_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if pipeline_parallel_size is not None and pipeline_parallel_size < 1:
@@ -105,6 +120,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.boundaries: tuple[int, ...] = ()
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.last_migration: MigrationReport | None = None
+        self.memory = StrategyMemory(memory_budget, recompute, offload, mlp_chunk_size)  # see strategies/memory.py
 
     # --- sizes and ranks -----------------------------------------------------------------------
 
@@ -242,6 +258,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.layout.pipeline_rank,
             self.root_device,
         )
+        self.memory.setup(self)
         self._tied = self._tied_parameters()
 
     def _install(self, plan: PipelinePlan) -> None:
@@ -259,6 +276,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             s: StageSpan(s, boundaries[s], boundaries[s + 1], num_blocks)
             for s in program.stages_of(self.layout.pipeline_rank)
         }
+        self.memory.install(plan, program)
         log.info(
             "rank %d: pipeline rank %d of %d runs stages %s (blocks %s), schedule %s, %d microbatches",
             self.global_rank, self.layout.pipeline_rank, self.pipeline_parallel_size, list(self.spans),
@@ -279,7 +297,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @property
     def plan(self) -> PipelinePlan:
         """The plan the next step runs with."""
-        return PipelinePlan(self.boundaries, self.schedule, self.num_microbatches)
+        return PipelinePlan(self.boundaries, self.schedule, self.num_microbatches, memory=self.memory.plan.to_dict())
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
         """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.
@@ -319,9 +337,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None):
-        """Modules created under ``trainer.init_module()``/``configure_model`` start on the CPU; each rank
-        keeps only its units at setup. ``empty_init`` is not honoured yet (see the README's limits)."""
-        with self.precision_plugin.tensor_init_context():
+        """``empty_init=True`` builds on the meta device: nothing is allocated until setup gives each
+        rank its own units (uninitialized, to be filled from a checkpoint). Otherwise modules are
+        built on the host with the user's own initialization, then each rank keeps only its units."""
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     # --- steps ----------------------------------------------------------------------------------
@@ -333,12 +352,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
         weights = [size / sum(sizes) for size in sizes]
         if train:
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            work = StepWork(step_name, [(mb, *rest) for mb in microbatches], [w / accumulate for w in weights])
+            work = StepWork(
+                step_name, [(mb, *rest) for mb in microbatches], [w / accumulate for w in weights],
+                block_wrapper=self.memory.before_step(batch, rest),
+            )
             program = self.program
         else:
             work = StepWork(step_name, [(mb, *rest) for mb in microbatches])
             program = self.eval_program
-        with self.precision_plugin.forward_context() if not train else nullcontext():
+        with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
             outcome = self.executor.run(program, self.spans, work)
         self.last_outcome = outcome
         return self._share_outcome(outcome, weights, train)

@@ -51,3 +51,20 @@ def read_plans(path) -> list[dict]:
     """The plans :class:`RecordPlans` wrote."""
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+class SaveFullState(L.Callback):
+    """At the end of training, global rank 0 saves the gathered full state dict to ``path``.
+
+    For modules the main process cannot receive weights into (blocks built in ``configure_model``).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        state = trainer.strategy.lightning_module_state_dict()  # a collective
+        if trainer.global_rank == 0:
+            import torch
+
+            torch.save(state, self.path)

@@ -126,3 +126,15 @@ class MaskedModel(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class ConfiguredGPT(TinyGPT):
+    """TinyGPT whose blocks are built in ``configure_model`` (as for large models)."""
+
+    def __init__(self, layers: int = 4, **kwargs) -> None:
+        super().__init__(layers=0, **kwargs)
+        self.num_layers = layers
+
+    def configure_model(self) -> None:
+        if len(self.blocks) == 0:
+            self.blocks.extend(Block(self.hparams.dim, self.hparams.heads) for _ in range(self.num_layers))

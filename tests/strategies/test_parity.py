@@ -57,3 +57,19 @@ def test_masked_tuple_blocks_parity(tmp_path):
     tokens = [float(b["input_ids"].numel()) for b in reference_batches(batches, 1)]
     assert logged(tmp_path / "pipe", "tokens") == logged(tmp_path / "ref", "tokens") == tokens
     torch.testing.assert_close(logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "ref", "train_loss"))
+
+
+def test_configure_model_parity(tmp_path):
+    """Blocks built in `configure_model` get the values a single-process run gives them."""
+    from tests.helpers.callbacks import SaveFullState
+    from tests.helpers.models import ConfiguredGPT
+
+    batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
+    make = lambda: ConfiguredGPT(layers=4).double()  # noqa: E731
+    saved = tmp_path / "full.pt"
+    fit(make, batches, _strategy(2, "1f1b"), devices=2, steps=STEPS, callbacks=[SaveFullState(str(saved))])
+    reference = fit(make, reference_batches(batches, 1), steps=STEPS)
+    state = torch.load(saved)
+    assert len(reference.blocks) == 4 and state.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
