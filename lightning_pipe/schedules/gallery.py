@@ -67,7 +67,7 @@ def simulate_picture(picture: Picture) -> SimulationResult:
     return simulate(program, uniform_share_costs(picture.num_ranks, schedule.stages_per_rank, picture.num_microbatches))
 
 
-def render_gallery(out_dir: str | Path, pictures: tuple[Picture, ...] = PICTURES) -> list[Path]:
+def render_gallery(out_dir: str | Path, pictures: tuple[Picture, ...] = PICTURES, *, dpi: int = 120) -> list[Path]:
     """Render every picture into ``out_dir`` (created if needed) and return the paths written."""
     paths = []
     for picture in pictures:
@@ -76,5 +76,5 @@ def render_gallery(out_dir: str | Path, pictures: tuple[Picture, ...] = PICTURES
             f"{picture.filename.removesuffix('.png')}: p={picture.num_ranks}, m={picture.num_microbatches}, "
             f"bubble {result.bubble_ratio:.1%}, peak in flight {max(result.max_in_flight)}"
         )
-        paths.append(render_png(result, Path(out_dir) / picture.filename, title=title))
+        paths.append(render_png(result, Path(out_dir) / picture.filename, title=title, dpi=dpi))
     return paths
