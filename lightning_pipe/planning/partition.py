@@ -201,7 +201,9 @@ class _Search:
             stage_memory[s] = self.static[s] + np.maximum(alive, 0.0)
         self.stage_memory = np.where(valid, stage_memory, np.inf)
         self.one_stage_per_rank = len(set(program.stage_to_rank)) == num_stages
-        self.allowed = valid if memory_limit is None else valid & (self.stage_memory <= memory_limit)
+        # The limit gets the tie tolerance: prefix sums and the simulator's sums round differently.
+        self.limit = None if memory_limit is None else memory_limit * (1.0 + _RELATIVE_TOLERANCE)
+        self.allowed = valid if self.limit is None else valid & (self.stage_memory <= self.limit)
         self.tables = np.zeros((0,) + valid.shape)
         self.rest = np.zeros((0, num_stages + 1, size))
         self.num_evaluated = 0
@@ -237,7 +239,7 @@ class _Search:
                 own = list(self.program.stages_of(rank))
                 alive = np.einsum("tsm,nsm->nt", self.analysis.alive[rank][:, own, :], saved[:, own, :])
                 peak = static[:, own].sum(axis=1) + np.maximum(alive.max(axis=1, initial=0.0), 0.0)
-                fits &= peak <= self.memory_limit
+                fits &= peak <= self.limit
         return fits
 
     def evaluate(self, bounds: np.ndarray, learn: bool = False) -> np.ndarray:
@@ -373,8 +375,8 @@ def plan_partition(
 
     Exact: the returned partition's simulated step time is the minimum over all partitions (every
     stage owning at least one block) whose simulated peak memory fits ``memory_limit`` on every rank,
-    up to a relative ``1e-9`` for ties (or ``relative_gap`` when given). See the module docstring
-    for the method.
+    up to a relative ``1e-9`` for ties and for memory at the limit (floating-point sums), or up to
+    ``relative_gap`` when given. See the module docstring for the method.
 
     Args:
         cost_model: per-unit costs (``pre``, blocks, ``post``) and the stage-to-stage link.
