@@ -25,7 +25,14 @@ from .registry import Schedule, resolve_schedule
 from .simulate import simulate
 from .validate import ScheduleError
 
-__all__ = ["AutoScheduleRow", "auto_schedule", "default_candidates", "split_stages", "format_auto_table", "render_auto_table"]
+__all__ = [
+    "AutoScheduleRow",
+    "auto_schedule",
+    "default_candidates",
+    "split_stages",
+    "format_auto_table",
+    "render_auto_table",
+]
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,9 @@ def split_stages(costs: ActionCosts, factor: int) -> ActionCosts:
         backward_weight=split(costs.backward_weight),
         activation_bytes=split(costs.activation_bytes, divide=False),
         saved_bytes=split(costs.saved_bytes),
-        static_bytes=None if costs.static_bytes is None else tuple(v / factor for v in costs.static_bytes for _ in range(factor)),
+        static_bytes=None
+        if costs.static_bytes is None
+        else tuple(v / factor for v in costs.static_bytes for _ in range(factor)),
         latency=costs.latency,
         bandwidth=costs.bandwidth,
     )
@@ -93,19 +102,42 @@ def default_candidates(*, include_forward_first: bool = False) -> list[tuple[str
     specs: list[dict[str, Any]] = [
         {"placement": "one_to_one", "split_backward": True, "max_in_flight": "num_ranks"},
         {"placement": "one_to_one", "max_in_flight": None},
-        {"placement": "circular", "stages_per_rank": 2, "priority": "interleaved", "forward_traversal": "breadth_first",
-         "backward_traversal": "depth_first", "interval": "num_ranks", "split_backward": True},
+        {
+            "placement": "circular",
+            "stages_per_rank": 2,
+            "priority": "interleaved",
+            "forward_traversal": "breadth_first",
+            "backward_traversal": "depth_first",
+            "interval": "num_ranks",
+            "split_backward": True,
+        },
     ]
     traversals = ("breadth_first", "depth_first")
     for fwd, bwd, split in itertools.product(traversals, traversals, (False, True)):
-        specs.append({"placement": "circular", "stages_per_rank": 2, "forward_traversal": fwd,
-                      "backward_traversal": bwd, "split_backward": split})
+        specs.append(
+            {
+                "placement": "circular",
+                "stages_per_rank": 2,
+                "forward_traversal": fwd,
+                "backward_traversal": bwd,
+                "split_backward": split,
+            }
+        )
     for bwd, split in itertools.product(traversals, (False, True)):
-        specs.append({"placement": "v_shape", "stages_per_rank": 2, "forward_traversal": "depth_first",
-                      "backward_traversal": bwd, "split_backward": split})
+        specs.append(
+            {
+                "placement": "v_shape",
+                "stages_per_rank": 2,
+                "forward_traversal": "depth_first",
+                "backward_traversal": bwd,
+                "split_backward": split,
+            }
+        )
     if include_forward_first:
-        specs += [{"placement": "one_to_one", "priority": "forward_first", "max_in_flight": None},
-                  {"placement": "circular", "stages_per_rank": 2, "priority": "forward_first", "max_in_flight": None}]
+        specs += [
+            {"placement": "one_to_one", "priority": "forward_first", "max_in_flight": None},
+            {"placement": "circular", "stages_per_rank": 2, "priority": "forward_first", "max_in_flight": None},
+        ]
     for spec in specs:
         out.append((_short(spec), resolve_schedule(spec)))
     return out
@@ -117,7 +149,10 @@ def _short(spec: dict[str, Any]) -> str:
     if spec.get("priority", "backward_first") != "backward_first":
         parts.append(spec["priority"])
     if spec.get("stages_per_rank", 1) > 1:
-        parts.append(f"{spec.get('forward_traversal', 'breadth_first')[0]}f/{spec.get('backward_traversal', 'breadth_first')[0]}b")
+        parts.append(
+            f"{spec.get('forward_traversal', 'breadth_first')[0]}f/"
+            f"{spec.get('backward_traversal', 'breadth_first')[0]}b"
+        )
     if spec.get("interval"):
         parts.append("interval=p")
     if spec.get("max_in_flight", "auto") != "auto":
@@ -161,7 +196,9 @@ def auto_schedule(
         base = costs
         cost_for = None
     if base is not None and base.num_stages != num_ranks:
-        raise ValueError(f"costs cover {base.num_stages} stages; give costs for num_ranks={num_ranks} stages (one per rank)")
+        raise ValueError(
+            f"costs cover {base.num_stages} stages; give costs for num_ranks={num_ranks} stages (one per rank)"
+        )
     m = num_microbatches if num_microbatches is not None else (base.num_microbatches if base else None)
     if m is None:
         raise ValueError("pass num_microbatches when costs is a function")
@@ -189,7 +226,7 @@ def auto_schedule(
             bubble_ratio=result.bubble_ratio,
             peak_memory=max(result.peak_memory),
             max_in_flight=max(result.max_in_flight),
-            fits=all(peak <= limit for peak, limit in zip(result.peak_memory, limits)),
+            fits=all(peak <= limit for peak, limit in zip(result.peak_memory, limits, strict=True)),
         )
         seen[key] = row
         rows.append(row)
@@ -198,7 +235,8 @@ def auto_schedule(
 
 def _build(schedule: Schedule, num_ranks: int, num_microbatches: int) -> Program:
     """Build a candidate; DSL programs skip the final validation (the engine and the lowering are
-    correct by construction and tested over grids; the strategy validates what it runs)."""
+    correct by construction and tested over grids; the strategy validates what it runs).
+    """
     if schedule.name != "dsl":
         return schedule.build(num_ranks, num_microbatches)
     spec = parse_spec({**schedule.options, "stages_per_rank": schedule.stages_per_rank})
@@ -221,13 +259,27 @@ def render_auto_table(rows: Sequence[AutoScheduleRow], *, limit: int | None = No
     from rich.table import Table
 
     table = Table(title=title or "schedules ranked by simulated step time")
-    for header, justify in (("#", "right"), ("schedule", "left"), ("stages/rank", "right"), ("makespan", "right"),
-                            ("bubble", "right"), ("peak memory", "right"), ("in flight", "right"), ("fits", "center")):
+    for header, justify in (
+        ("#", "right"),
+        ("schedule", "left"),
+        ("stages/rank", "right"),
+        ("makespan", "right"),
+        ("bubble", "right"),
+        ("peak memory", "right"),
+        ("in flight", "right"),
+        ("fits", "center"),
+    ):
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for index, row in enumerate(rows[:limit] if limit else rows, start=1):
         table.add_row(
-            str(index), row.label, str(row.schedule.stages_per_rank), f"{row.makespan:.4g}", f"{row.bubble_ratio:.1%}",
-            _bytes(row.peak_memory), str(row.max_in_flight), "yes" if row.fits else "[red]no[/red]",
+            str(index),
+            row.label,
+            str(row.schedule.stages_per_rank),
+            f"{row.makespan:.4g}",
+            f"{row.bubble_ratio:.1%}",
+            _bytes(row.peak_memory),
+            str(row.max_in_flight),
+            "yes" if row.fits else "[red]no[/red]",
         )
     return table
 

@@ -4,7 +4,7 @@ Examples::
 
     python -m lightning_pipe.schedules.cli show 1f1b --ranks 4 --microbatches 8
     python -m lightning_pipe.schedules.cli show zbv --stages 8 --microbatches 8 --png zbv.png --trace zbv.json
-    python -m lightning_pipe.schedules.cli show "placement=circular stages_per_rank=2 max_in_flight=4" --ranks 4 --microbatches 8
+    python -m lightning_pipe.schedules.cli show "placement=circular stages_per_rank=2 max_in_flight=4" -p 4 -m 8
     python -m lightning_pipe.schedules.cli auto --ranks 4 --microbatches 8 --saved-bytes 1 --memory-limit 4
     python -m lightning_pipe.schedules.cli list
     python -m lightning_pipe.schedules.cli gallery docs/img/schedules
@@ -43,13 +43,17 @@ def _add_size_and_costs(parser: argparse.ArgumentParser, *, stages: bool = True)
     parser.add_argument("--backward", type=float, default=2.0, help="backward seconds of one rank's share (default 2)")
     parser.add_argument("--backward-input", type=float, default=None, help="I seconds (default backward / 2)")
     parser.add_argument("--backward-weight", type=float, default=None, help="W seconds (default backward / 2)")
-    parser.add_argument("--saved-bytes", type=float, default=1.0, help="activation bytes one rank's share saves per microbatch")
+    parser.add_argument(
+        "--saved-bytes", type=float, default=1.0, help="activation bytes one rank's share saves per microbatch"
+    )
     parser.add_argument("--static-bytes", type=float, default=0.0, help="parameter/optimizer bytes of one rank's share")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds per point-to-point message")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-pipe-schedule", description="Inspect pipeline schedules (simulated).")
+    parser = argparse.ArgumentParser(
+        prog="lightning-pipe-schedule", description="Inspect pipeline schedules (simulated)."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="print the timeline of one schedule")
     show.add_argument("schedule", help="family name (see 'list') or DSL spec text")
@@ -75,9 +79,15 @@ def _costs(args: argparse.Namespace, num_ranks: int, stages_per_rank: int) -> Ac
         return None if value is None else value / v
 
     return ActionCosts.uniform(
-        num_ranks * v, args.microbatches, forward=args.forward / v, backward=args.backward / v,
-        backward_input=share(args.backward_input), backward_weight=share(args.backward_weight),
-        saved_bytes=args.saved_bytes / v, static_bytes=args.static_bytes / v, latency=args.latency,
+        num_ranks * v,
+        args.microbatches,
+        forward=args.forward / v,
+        backward=args.backward / v,
+        backward_input=share(args.backward_input),
+        backward_weight=share(args.backward_weight),
+        saved_bytes=args.saved_bytes / v,
+        static_bytes=args.static_bytes / v,
+        latency=args.latency,
     )
 
 
@@ -98,8 +108,10 @@ def _show(args: argparse.Namespace) -> int:
     v = schedule.stages_per_rank
     program = schedule.build(num_ranks, args.microbatches)
     result = simulate(program, _costs(args, num_ranks, v))
-    print(f"{program.name}: {num_ranks} ranks x {v} stage(s) per rank = {program.num_stages} stages, "
-          f"{args.microbatches} microbatches")
+    print(
+        f"{program.name}: {num_ranks} ranks x {v} stage(s) per rank = {program.num_stages} stages, "
+        f"{args.microbatches} microbatches"
+    )
     print(render_ascii(result, max_width=args.width))
     print(f"makespan {result.makespan:g}   bubble ratio {result.bubble_ratio:.1%}")
     print(f"peak in-flight microbatches per rank: {list(result.max_in_flight)}")

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -63,18 +63,41 @@ PRIORITIES = ("backward_first", "forward_first", "interleaved")
 TRAVERSALS = ("breadth_first", "depth_first")
 
 _ALIASES = {
-    "one_to_one": "one_to_one", "onetoone": "one_to_one", "circular": "circular", "v_shape": "v_shape",
-    "vshape": "v_shape", "v": "v_shape",
-    "backward_first": "backward_first", "bwdfirst": "backward_first", "bwd_first": "backward_first",
-    "bwdpass_first": "backward_first", "bwpass_first": "backward_first", "backward": "backward_first",
-    "forward_first": "forward_first", "fwdfirst": "forward_first", "fwd_first": "forward_first",
-    "fwdpass_first": "forward_first", "forward": "forward_first", "interleaved": "interleaved",
-    "breadth_first": "breadth_first", "bfs": "breadth_first", "depth_first": "depth_first", "dfs": "depth_first",
+    "one_to_one": "one_to_one",
+    "onetoone": "one_to_one",
+    "circular": "circular",
+    "v_shape": "v_shape",
+    "vshape": "v_shape",
+    "v": "v_shape",
+    "backward_first": "backward_first",
+    "bwdfirst": "backward_first",
+    "bwd_first": "backward_first",
+    "bwdpass_first": "backward_first",
+    "bwpass_first": "backward_first",
+    "backward": "backward_first",
+    "forward_first": "forward_first",
+    "fwdfirst": "forward_first",
+    "fwd_first": "forward_first",
+    "fwdpass_first": "forward_first",
+    "forward": "forward_first",
+    "interleaved": "interleaved",
+    "breadth_first": "breadth_first",
+    "bfs": "breadth_first",
+    "depth_first": "depth_first",
+    "dfs": "depth_first",
 }
 
 _RULES: dict[str, Rule] = {}
-_SHORTHANDS = {"traversal": ("forward_traversal", "backward_traversal"), "interval": ("forward_interval", "backward_interval")}
-_DEFAULTS = {"forward_traversal": "breadth_first", "backward_traversal": "breadth_first", "forward_interval": None, "backward_interval": None}
+_SHORTHANDS = {
+    "traversal": ("forward_traversal", "backward_traversal"),
+    "interval": ("forward_interval", "backward_interval"),
+}
+_DEFAULTS = {
+    "forward_traversal": "breadth_first",
+    "backward_traversal": "breadth_first",
+    "forward_interval": None,
+    "backward_interval": None,
+}
 
 
 def register_rule(name: str, rule: Rule) -> Rule:
@@ -169,7 +192,9 @@ class ScheduleSpec:
                 raise ValueError(f"{argument} must be >= 1, got {argument}={getattr(self, argument)!r}")
             set_(argument, int(getattr(self, argument)))
         if self.placement == "one_to_one" and self.stages_per_rank != 1:
-            raise ValueError(f"placement=one_to_one needs stages_per_rank=1, got stages_per_rank={self.stages_per_rank}")
+            raise ValueError(
+                f"placement=one_to_one needs stages_per_rank=1, got stages_per_rank={self.stages_per_rank}"
+            )
         if self.placement == "v_shape" and self.stages_per_rank != 2:
             raise ValueError(f"placement=v_shape needs stages_per_rank=2, got stages_per_rank={self.stages_per_rank}")
         limit = self.max_in_flight
@@ -209,6 +234,7 @@ class ScheduleSpec:
 
     def to_text(self) -> str:
         """One-line text form; :func:`parse_spec` reads it back (for rules given by name)."""
+
         def show(value: Any) -> str:
             if isinstance(value, list):
                 return "[" + ",".join(str(v) for v in value) + "]"
@@ -219,7 +245,8 @@ class ScheduleSpec:
     def to_schedule(self) -> Schedule:
         """The :class:`Schedule` that builds this spec (family ``"dsl"``)."""
         options = {k: v for k, v in self.to_dict().items() if k != "stages_per_rank"}
-        options.update(rules=self.rules) if self.rules else None
+        if self.rules:
+            options["rules"] = self.rules  # the callables themselves, not their names
         return Schedule("dsl", self.stages_per_rank, options)
 
     def build(self, num_ranks: int, num_microbatches: int) -> Program:
@@ -242,18 +269,35 @@ PRESETS: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec(priority="forward_first", max_in_flight=None, name="gpipe"),
     "1f1b": ScheduleSpec(priority="backward_first", max_in_flight="auto", name="1f1b"),
     "interleaved_1f1b": ScheduleSpec(
-        placement="circular", stages_per_rank=2, priority="interleaved", forward_traversal="breadth_first",
-        backward_traversal="depth_first", forward_interval="num_ranks", backward_interval="num_ranks",
-        max_in_flight="auto", name="interleaved_1f1b",
+        placement="circular",
+        stages_per_rank=2,
+        priority="interleaved",
+        forward_traversal="breadth_first",
+        backward_traversal="depth_first",
+        forward_interval="num_ranks",
+        backward_interval="num_ranks",
+        max_in_flight="auto",
+        name="interleaved_1f1b",
     ),
     "looped_bfs": ScheduleSpec(
-        placement="circular", stages_per_rank=2, priority="forward_first", forward_traversal="breadth_first",
-        backward_traversal="depth_first", max_in_flight=None, name="looped_bfs",
+        placement="circular",
+        stages_per_rank=2,
+        priority="forward_first",
+        forward_traversal="breadth_first",
+        backward_traversal="depth_first",
+        max_in_flight=None,
+        name="looped_bfs",
     ),
     "zb": ScheduleSpec(priority="backward_first", split_backward=True, max_in_flight="num_ranks", name="zb"),
     "v_zb": ScheduleSpec(
-        placement="v_shape", stages_per_rank=2, priority="backward_first", forward_traversal="depth_first",
-        backward_traversal="depth_first", split_backward=True, max_in_flight="auto", name="v_zb",
+        placement="v_shape",
+        stages_per_rank=2,
+        priority="backward_first",
+        forward_traversal="depth_first",
+        backward_traversal="depth_first",
+        split_backward=True,
+        max_in_flight="auto",
+        name="v_zb",
     ),
 }
 
@@ -332,6 +376,8 @@ def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, *, che
 
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(ScheduleSpec)}
+#: Keys that make a dict a DSL spec rather than a family with options (see ``resolve_schedule``).
+DSL_KEYS = (_SPEC_FIELDS | {"preset", "traversal", "interval"}) - {"name", "stages_per_rank"}
 _PAIR = re.compile(r"([A-Za-z_][\w-]*)\s*[=:]\s*(\[[^\]]*\]|[^\s,;]+)")
 
 
@@ -368,7 +414,7 @@ def parse_spec(spec: str | Mapping[str, Any] | ScheduleSpec) -> ScheduleSpec:
         head = re.match(r"^([A-Za-z0-9_-]+)(?=\s|$|,|;)", text)
         if head and "=" not in head.group(0) and not re.match(r"^\S+\s*[=:]", text):
             options["preset"] = head.group(1)
-            text = text[head.end():]
+            text = text[head.end() :]
         consumed = _PAIR.sub("", text)
         if consumed.strip(" ,;\t"):
             raise ValueError(f"cannot read {consumed.strip()!r} in schedule spec {spec!r}; write key=value pairs")
@@ -386,7 +432,8 @@ def parse_spec(spec: str | Mapping[str, Any] | ScheduleSpec) -> ScheduleSpec:
     unknown = sorted(set(options) - _SPEC_FIELDS)
     if unknown:
         raise ValueError(
-            f"unknown schedule spec keys {unknown}; valid keys: preset, traversal, interval, {', '.join(sorted(_SPEC_FIELDS))}"
+            f"unknown schedule spec keys {unknown}; valid keys: preset, traversal, interval, "
+            f"{', '.join(sorted(_SPEC_FIELDS))}"
         )
     for key in ("rules", "instructions"):
         if key in options and isinstance(options[key], str):

@@ -257,7 +257,9 @@ def run_engine(settings: EngineSettings) -> list[list[Action]]:
 
 
 def _deadlock(settings: EngineSettings, orders: list[list[Action]], step: int, in_flight: list[int]) -> None:
-    limits = ", ".join(f"rank {r}: {n} in flight (max_in_flight={settings.max_in_flight[r]:g})" for r, n in enumerate(in_flight))
+    limits = ", ".join(
+        f"rank {r}: {n} in flight (max_in_flight={settings.max_in_flight[r]:g})" for r, n in enumerate(in_flight)
+    )
     raise ScheduleError(
         f"spec {settings.name!r} deadlocks at scheduling step {step}: no rank has an action it may run ({limits}); "
         "raise max_in_flight, drop an interval, or relax a rule",

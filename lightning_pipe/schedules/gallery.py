@@ -42,14 +42,32 @@ class Picture:
 PICTURES: tuple[Picture, ...] = (
     Picture("gpipe.png", "gpipe", 4, 8, "All forwards, then all backwards: every rank holds all 8 microbatches."),
     Picture("1f1b.png", "1f1b", 4, 8, "Same bubble as GPipe, but rank r holds at most p - r microbatches."),
-    Picture("interleaved_1f1b.png", "interleaved_1f1b", 4, 8, "Two chunks per rank: the fill and drain shrink by half."),
-    Picture("looped_bfs.png", "looped_bfs", 4, 8, "Two chunks per rank, breadth first: all microbatches through chunk 0 first."),
-    Picture("zb_h1.png", "zb_h1", 4, 8, "Backward split into I and W; deferred W fill the drain: a third of 1F1B's bubble."),
+    Picture(
+        "interleaved_1f1b.png", "interleaved_1f1b", 4, 8, "Two chunks per rank: the fill and drain shrink by half."
+    ),
+    Picture(
+        "looped_bfs.png",
+        "looped_bfs",
+        4,
+        8,
+        "Two chunks per rank, breadth first: all microbatches through chunk 0 first.",
+    ),
+    Picture(
+        "zb_h1.png", "zb_h1", 4, 8, "Backward split into I and W; deferred W fill the drain: a third of 1F1B's bubble."
+    ),
     Picture("zbv.png", "zbv", 4, 8, "V-shaped placement with split backward: only the fill remains."),
     Picture(
         "dsl_example.png",
-        {"placement": "circular", "stages_per_rank": 2, "priority": "backward_first", "traversal": "depth_first", "max_in_flight": 4},
-        4, 8, "The DSL example of this page: circular, backward first, depth first, 4 microbatches in flight.",
+        {
+            "placement": "circular",
+            "stages_per_rank": 2,
+            "priority": "backward_first",
+            "traversal": "depth_first",
+            "max_in_flight": 4,
+        },
+        4,
+        8,
+        "The DSL example of this page: circular, backward first, depth first, 4 microbatches in flight.",
     ),
 )
 

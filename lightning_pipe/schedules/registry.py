@@ -188,7 +188,8 @@ def _schedule_for_family(name: str, options: Mapping[str, Any]) -> Schedule:
     stages_per_rank = int(options.pop("stages_per_rank", family.stages_per_rank))
     if not family.accepts_stages_per_rank and stages_per_rank != family.stages_per_rank:
         raise ValueError(
-            f"schedule {name!r} always uses stages_per_rank={family.stages_per_rank}, got stages_per_rank={stages_per_rank}"
+            f"schedule {name!r} always uses stages_per_rank={family.stages_per_rank}, "
+            f"got stages_per_rank={stages_per_rank}"
         )
     return Schedule(name, stages_per_rank, options)
 
@@ -200,7 +201,8 @@ def resolve_schedule(spec: Any) -> Schedule:
         spec: a family name (``"1f1b"``), a :class:`Schedule`, a DSL spec as text
             (``"placement=circular stages_per_rank=2 priority=backward_first"``), a DSL dict
             (``{"placement": "circular", ...}``), a :class:`~lightning_pipe.schedules.dsl.ScheduleSpec`,
-            or a family with options as a dict (``{"name": "interleaved_1f1b", "stages_per_rank": 4}``).
+            or a family with options as a dict (``{"name": "interleaved_1f1b", "stages_per_rank": 4}``
+            or ``{"family": ...}``; a dict with DSL keys is a DSL spec and its ``name`` is a label).
 
     Returns:
         The schedule; nothing is built yet.
@@ -217,13 +219,17 @@ def resolve_schedule(spec: Any) -> Schedule:
             return _schedule_for_family(text.lower(), {})
         if "=" not in text:
             get_family(text)  # raises with the valid names
+    from . import dsl  # local import: the DSL registers itself here as the family "dsl"
+
     if isinstance(spec, Mapping):
         options = dict(spec)
-        name = options.pop("name", None) or options.pop("family", None)
-        if name is not None and name != "dsl":
-            return _schedule_for_family(str(name).lower(), options)
+        family = options.pop("family", None)
+        # "name" names a family unless DSL keys are present (then it is the DSL spec's display name).
+        if family is None and "name" in options and not set(options) & dsl.DSL_KEYS:
+            family = options.pop("name")
+        if family is not None and family != "dsl":
+            return _schedule_for_family(str(family).lower(), options)
         spec = options
-    from . import dsl  # local import: the DSL registers itself here as the family "dsl"
 
     if isinstance(spec, (str, Mapping, dsl.ScheduleSpec)):
         return dsl.parse_spec(spec).to_schedule()

@@ -20,8 +20,14 @@ from .simulate import SimulationResult, TimedAction
 __all__ = ["render_ascii", "render_png", "to_chrome_trace", "write_chrome_trace"]
 
 _DRAWN = frozenset(
-    {ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT,
-     ActionType.RECOMPUTE, ActionType.CUSTOM}
+    {
+        ActionType.FORWARD,
+        ActionType.BACKWARD,
+        ActionType.BACKWARD_INPUT,
+        ActionType.BACKWARD_WEIGHT,
+        ActionType.RECOMPUTE,
+        ActionType.CUSTOM,
+    }
 )
 _COLORS = {
     ActionType.FORWARD: "#4C72B0",
@@ -36,7 +42,9 @@ Timeline = SimulationResult | Sequence[TimedAction]
 
 def _events(timeline: Timeline) -> tuple[list[TimedAction], int, float]:
     events = list(timeline.events if isinstance(timeline, SimulationResult) else timeline)
-    num_ranks = timeline.num_ranks if isinstance(timeline, SimulationResult) else max((e.rank for e in events), default=-1) + 1
+    num_ranks = (
+        timeline.num_ranks if isinstance(timeline, SimulationResult) else max((e.rank for e in events), default=-1) + 1
+    )
     end = max((e.end for e in events), default=0.0)
     return events, num_ranks, end
 
@@ -100,13 +108,11 @@ def render_ascii(timeline: Timeline, *, time_unit: float | None = None, max_widt
     while tick * scale < width:
         mark = f"{tick:g}"
         column = int(round(tick * scale))
-        axis[column:column + len(mark)] = list(mark)
+        axis[column : column + len(mark)] = list(mark)
         tick += step
     lines = [f"{'t':>{label_width}} |" + "".join(axis).rstrip()]
     lines += [f"{f'rank {r}':>{label_width}} |" + "".join(row) for r, row in enumerate(rows)]
-    lines.append(
-        "F forward  B backward  I input grad  W weight grad  . idle  (lower case: a later stage of that rank)"
-    )
+    lines.append("F forward  B backward  I input grad  W weight grad  . idle  (lower case: a later stage of that rank)")
     return "\n".join(lines)
 
 
@@ -133,8 +139,9 @@ def render_png(timeline: Timeline, path: str | Path, *, title: str | None = None
     height_inches = 1.3 + 0.45 * num_ranks
     figure = Figure(figsize=(width_inches, height_inches))
     # Fixed margins (inches) instead of tight_layout, which would draw every label twice.
-    figure.subplots_adjust(left=0.75 / width_inches, right=1 - 0.15 / width_inches,
-                           bottom=0.5 / height_inches, top=1 - 0.4 / height_inches)
+    figure.subplots_adjust(
+        left=0.75 / width_inches, right=1 - 0.15 / width_inches, bottom=0.5 / height_inches, top=1 - 0.4 / height_inches
+    )
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     lowest = {r: min((e.action.stage for e in drawn if e.rank == r), default=0) for r in range(num_ranks)}
@@ -145,11 +152,24 @@ def render_png(timeline: Timeline, path: str | Path, *, title: str | None = None
         groups.setdefault((e.rank, e.action.type, later_chunk), []).append((e.start, e.end - e.start))
         label = "" if e.action.microbatch is None else str(e.action.microbatch)
         if label and (e.end - e.start) * points_per_second >= 4 + 5 * len(label):
-            axes.text((e.start + e.end) / 2, e.rank, label, ha="center", va="center", fontsize=6.5,
-                      color="black" if later_chunk else "white")
+            axes.text(
+                (e.start + e.end) / 2,
+                e.rank,
+                label,
+                ha="center",
+                va="center",
+                fontsize=6.5,
+                color="black" if later_chunk else "white",
+            )
     for (rank, kind, later_chunk), spans in groups.items():  # one collection per group: fast to draw
-        axes.broken_barh(spans, (rank - 0.4, 0.8), facecolors=_COLORS[kind], alpha=0.55 if later_chunk else 1.0,
-                         edgecolor="white", linewidth=0.6)
+        axes.broken_barh(
+            spans,
+            (rank - 0.4, 0.8),
+            facecolors=_COLORS[kind],
+            alpha=0.55 if later_chunk else 1.0,
+            edgecolor="white",
+            linewidth=0.6,
+        )
     axes.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
     axes.set_ylim(num_ranks - 0.5, -0.5)
     axes.set_xlim(0, span)
@@ -160,10 +180,23 @@ def render_png(timeline: Timeline, path: str | Path, *, title: str | None = None
             title = f"{timeline.name}: makespan {timeline.makespan:g}, bubble {timeline.bubble_ratio:.1%}"
     axes.set_title(title, fontsize=9, loc="left")
     kinds = sorted({e.action.type for e in drawn}, key=lambda t: list(_COLORS).index(t))
-    names = {ActionType.FORWARD: "F forward", ActionType.BACKWARD: "B backward", ActionType.BACKWARD_INPUT: "I input grad",
-             ActionType.BACKWARD_WEIGHT: "W weight grad", ActionType.RECOMPUTE: "recompute", ActionType.CUSTOM: "instruction"}
-    axes.legend(handles=[Patch(color=_COLORS[k], label=names[k]) for k in kinds], loc="lower right",
-                bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False, borderaxespad=0.2)
+    names = {
+        ActionType.FORWARD: "F forward",
+        ActionType.BACKWARD: "B backward",
+        ActionType.BACKWARD_INPUT: "I input grad",
+        ActionType.BACKWARD_WEIGHT: "W weight grad",
+        ActionType.RECOMPUTE: "recompute",
+        ActionType.CUSTOM: "instruction",
+    }
+    axes.legend(
+        handles=[Patch(color=_COLORS[k], label=names[k]) for k in kinds],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        ncol=len(kinds),
+        frameon=False,
+        borderaxespad=0.2,
+    )
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, dpi=dpi)
@@ -181,11 +214,18 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     ]
     for e in events:
         a = e.action
-        trace.append({
-            "name": str(a), "cat": a.type.value, "ph": "X", "pid": 0, "tid": e.rank,
-            "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
-            "args": {"stage": a.stage, "microbatch": a.microbatch, "type": a.type.value},
-        })
+        trace.append(
+            {
+                "name": str(a),
+                "cat": a.type.value,
+                "ph": "X",
+                "pid": 0,
+                "tid": e.rank,
+                "ts": e.start * 1e6,
+                "dur": (e.end - e.start) * 1e6,
+                "args": {"stage": a.stage, "microbatch": a.microbatch, "type": a.type.value},
+            }
+        )
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 

@@ -231,7 +231,11 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
     makespan = max(ends, default=0.0)
     idle = tuple(makespan - b for b in busy)
     bubble = sum(idle) / (num_ranks * makespan) if makespan > 0 else 0.0
-    training = any(a.type is ActionType.BACKWARD or a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
+    training = any(
+        a.type is ActionType.BACKWARD or a.type is ActionType.BACKWARD_INPUT
+        for actions in program.actions
+        for a in actions
+    )
     memory = [_memory(program, r, costs, training) for r in range(num_ranks)]
     return SimulationResult(
         name=program.name,

@@ -53,7 +53,9 @@ def parse_action(token: str) -> Action:
     text = token.strip()
     match = _TOKEN.match(text)
     if not match:
-        raise ValueError(f"invalid action {token!r}: expected '{{stage}}{{type}}{{microbatch}}', e.g. '2F0' or '1SEND_B3'")
+        raise ValueError(
+            f"invalid action {token!r}: expected '{{stage}}{{type}}{{microbatch}}', e.g. '2F0' or '1SEND_B3'"
+        )
     stage, kind, microbatch = int(match.group(1)), match.group(2), match.group(3)
     mb = int(microbatch) if microbatch else None
     if kind in _BUILTIN:
@@ -97,7 +99,9 @@ def program_from_rows(
         for rank, actions in enumerate(rows):
             for a in actions:
                 if placement.setdefault(a.stage, rank) != rank:
-                    raise ValueError(f"stage {a.stage} appears on ranks {placement[a.stage]} and {rank}; pass stage_to_rank")
+                    raise ValueError(
+                        f"stage {a.stage} appears on ranks {placement[a.stage]} and {rank}; pass stage_to_rank"
+                    )
         missing = [s for s in range(max(placement, default=-1) + 1) if s not in placement]
         if missing:
             raise ValueError(f"stages {missing} appear on no rank; pass stage_to_rank")

@@ -28,6 +28,8 @@ _RECV = frozenset({ActionType.RECV_F, ActionType.RECV_B})
 def _is_compute(kind: ActionType) -> bool:
     """Fast ``kind.is_compute`` (identity tests; Enum hashing is a Python-level call)."""
     return kind is _F or kind is _B or kind is _I or kind is _W
+
+
 _GRID_WINDOW = 12  # steps shown on each side of the failing step in long programs
 
 
@@ -90,7 +92,7 @@ def format_grid(
     if first > 0:
         lines.append(f"{'...':<{label}}")
     for step in range(first, last):
-        row = " ".join(f"{(col[step] if step < len(col) else ''):<{w}}" for col, w in zip(cells, widths))
+        row = " ".join(f"{(col[step] if step < len(col) else ''):<{w}}" for col, w in zip(cells, widths, strict=True))
         suffix = "  <-- here" if mark is not None and step == mark[1] else ""
         lines.append(f"{f'step {step}':<{label}}: {row.rstrip()}{suffix}")
     if last < num_steps:
@@ -112,26 +114,54 @@ def _fail(program: Program, message: str, rule: str, rank: int | None = None, st
 
 def _check_structure(program: Program) -> None:
     if program.num_stages != len(program.stage_to_rank):
-        _fail(program, f"num_stages={program.num_stages} but stage_to_rank has {len(program.stage_to_rank)} entries", "structure")
+        _fail(
+            program,
+            f"num_stages={program.num_stages} but stage_to_rank has {len(program.stage_to_rank)} entries",
+            "structure",
+        )
     bad = [r for r in program.stage_to_rank if not 0 <= r < program.num_ranks]
     if bad:
-        _fail(program, f"stage_to_rank={program.stage_to_rank} names ranks {bad} outside 0..{program.num_ranks - 1}", "structure")
+        _fail(
+            program,
+            f"stage_to_rank={program.stage_to_rank} names ranks {bad} outside 0..{program.num_ranks - 1}",
+            "structure",
+        )
     for rank, actions in enumerate(program.actions):
         for step, a in enumerate(actions):
             if not 0 <= a.stage < program.num_stages:
                 _fail(program, f"{a}: stage {a.stage} outside 0..{program.num_stages - 1}", "structure", rank, step)
             if program.stage_to_rank[a.stage] != rank:
-                _fail(program, f"{a}: stage {a.stage} is placed on rank {program.stage_to_rank[a.stage]}, not here", "structure", rank, step)
+                _fail(
+                    program,
+                    f"{a}: stage {a.stage} is placed on rank {program.stage_to_rank[a.stage]}, not here",
+                    "structure",
+                    rank,
+                    step,
+                )
             if a.type is ActionType.STEP:
                 continue
             if a.type is ActionType.CUSTOM:
                 if not a.name or not is_registered_instruction(a.name):
-                    _fail(program, f"{a}: unknown instruction {a.name!r}; register it with register_instruction()", "structure", rank, step)
+                    _fail(
+                        program,
+                        f"{a}: unknown instruction {a.name!r}; register it with register_instruction()",
+                        "structure",
+                        rank,
+                        step,
+                    )
                 if a.microbatch is not None and not 0 <= a.microbatch < program.num_microbatches:
-                    _fail(program, f"{a}: microbatch outside 0..{program.num_microbatches - 1}", "structure", rank, step)
+                    _fail(
+                        program, f"{a}: microbatch outside 0..{program.num_microbatches - 1}", "structure", rank, step
+                    )
                 continue
             if a.microbatch is None or not 0 <= a.microbatch < program.num_microbatches:
-                _fail(program, f"{a}: microbatch {a.microbatch} outside 0..{program.num_microbatches - 1}", "structure", rank, step)
+                _fail(
+                    program,
+                    f"{a}: microbatch {a.microbatch} outside 0..{program.num_microbatches - 1}",
+                    "structure",
+                    rank,
+                    step,
+                )
 
 
 def _check_exactly_once(program: Program, forward_only: bool) -> None:
@@ -143,7 +173,13 @@ def _check_exactly_once(program: Program, forward_only: bool) -> None:
                 key = (a.type, a.stage, a.microbatch)
                 counts[key] += 1
                 if counts[key] == 2:
-                    _fail(program, f"{a} appears twice (every compute action must run exactly once)", "exactly_once", rank, step)
+                    _fail(
+                        program,
+                        f"{a} appears twice (every compute action must run exactly once)",
+                        "exactly_once",
+                        rank,
+                        step,
+                    )
                 where[key] = (rank, step)
     for s in range(program.num_stages):
         rank = program.stage_to_rank[s]
@@ -157,7 +193,12 @@ def _check_exactly_once(program: Program, forward_only: bool) -> None:
                     _fail(program, f"{Action(s, key[0], mb)} in a forward-only program", "exactly_once", *where[key])
                 continue
             if full and (split_i or split_w):
-                _fail(program, f"stage {s} microbatch {mb} has both B and I/W; use B or I+W", "exactly_once", *where[(_B, s, mb)])
+                _fail(
+                    program,
+                    f"stage {s} microbatch {mb} has both B and I/W; use B or I+W",
+                    "exactly_once",
+                    *where[(_B, s, mb)],
+                )
             if not full and not (split_i and split_w):
                 missing = "B (or I and W)" if not split_i and not split_w else ("W" if split_i else "I")
                 _fail(program, f"stage {s} microbatch {mb}: {missing} missing", "exactly_once", rank)
@@ -207,13 +248,25 @@ def _check_order(program: Program) -> None:
                     if not any(r in done for r in required):
                         _fail(program, f"{a} runs before {why}", "dependency", rank, step)
                 elif required not in done:
-                    _fail(program, f"{a} runs before {Action(required[1], required[0], required[2])} ({why})", "dependency", rank, step)
+                    _fail(
+                        program,
+                        f"{a} runs before {Action(required[1], required[0], required[2])} ({why})",
+                        "dependency",
+                        rank,
+                        step,
+                    )
             if is_communication(a.type):
                 if key in done:
                     _fail(program, f"{a} appears twice", "communication", rank, step)
                 msg = message_of(a)
                 if not 0 <= msg.dst_stage <= last or rank_of[msg.dst_stage] == rank_of[msg.src_stage]:
-                    _fail(program, f"{a} crosses no rank boundary (stages {msg.src_stage}->{msg.dst_stage})", "communication", rank, step)
+                    _fail(
+                        program,
+                        f"{a} crosses no rank boundary (stages {msg.src_stage}->{msg.dst_stage})",
+                        "communication",
+                        rank,
+                        step,
+                    )
             done.add(key)
         # Every tensor this rank produces for another rank is sent.
         for step, a in enumerate(actions):
@@ -250,15 +303,29 @@ def _check_matching_and_deadlock(program: Program) -> None:
         out, into = sends.get(pair, []), recvs.get(pair, [])
         for k in range(max(len(out), len(into))):
             if k >= len(into):
-                _fail(program, f"{Message(*out[k][0]).send} has no matching receive on rank {pair[1]}", "matching", pair[0], out[k][1])
+                _fail(
+                    program,
+                    f"{Message(*out[k][0]).send} has no matching receive on rank {pair[1]}",
+                    "matching",
+                    pair[0],
+                    out[k][1],
+                )
             if k >= len(out):
-                _fail(program, f"{Message(*into[k][0]).recv} has no matching send on rank {pair[0]}", "matching", pair[1], into[k][1])
+                _fail(
+                    program,
+                    f"{Message(*into[k][0]).recv} has no matching send on rank {pair[0]}",
+                    "matching",
+                    pair[1],
+                    into[k][1],
+                )
             if out[k][0] != into[k][0]:
                 _fail(
                     program,
                     f"receive #{k} from rank {pair[0]} is {Message(*into[k][0]).recv} but that rank's send #{k} is "
                     f"{Message(*out[k][0]).send} (sends and receives between two ranks must match in order)",
-                    "matching", pair[1], into[k][1],
+                    "matching",
+                    pair[1],
+                    into[k][1],
                 )
     # Deadlock: advance every rank as far as it can; a receive waits for its send to be issued.
     issued: set[tuple[int, int, int]] = set()
@@ -283,7 +350,13 @@ def _check_matching_and_deadlock(program: Program) -> None:
     blocked = [r for r, actions in enumerate(program.actions) if pointer[r] < len(actions)]
     if blocked:
         waits = ", ".join(f"rank {r} waits at step {pointer[r]} on {program.actions[r][pointer[r]]}" for r in blocked)
-        _fail(program, f"no rank can move on (receives block until their send is issued): {waits}", "deadlock", blocked[0], pointer[blocked[0]])
+        _fail(
+            program,
+            f"no rank can move on (receives block until their send is issued): {waits}",
+            "deadlock",
+            blocked[0],
+            pointer[blocked[0]],
+        )
 
 
 def validate(program: Program, *, forward_only: bool | None = None) -> Program:

@@ -33,8 +33,11 @@ def test_without_a_limit_the_fastest_wins_and_matches_its_own_simulation():
 
 def test_split_stages_keeps_totals_and_depth_profile():
     costs = ActionCosts(
-        forward=((1.0, 1.0), (3.0, 3.0)), backward=((2.0, 2.0), (6.0, 6.0)),
-        activation_bytes=((8.0, 8.0), (8.0, 8.0)), saved_bytes=((4.0, 4.0), (2.0, 2.0)), static_bytes=(10.0, 30.0),
+        forward=((1.0, 1.0), (3.0, 3.0)),
+        backward=((2.0, 2.0), (6.0, 6.0)),
+        activation_bytes=((8.0, 8.0), (8.0, 8.0)),
+        saved_bytes=((4.0, 4.0), (2.0, 2.0)),
+        static_bytes=(10.0, 30.0),
     )
     split = split_stages(costs, 2)
     assert split.forward == ((0.5, 0.5), (0.5, 0.5), (1.5, 1.5), (1.5, 1.5))

@@ -24,7 +24,10 @@ def test_show_prints_timeline_bubble_and_in_flight(capsys, tmp_path):
 
 
 def test_show_a_dsl_spec_with_actions(capsys):
-    assert main(["show", "placement=circular stages_per_rank=2 max_in_flight=2", "--ranks", "2", "-m", "4", "--actions"]) == 0
+    assert (
+        main(["show", "placement=circular stages_per_rank=2 max_in_flight=2", "--ranks", "2", "-m", "4", "--actions"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "rank 0: 0F0" in out and "peak in-flight microbatches per rank: [2, 2]" in out
 

@@ -55,7 +55,13 @@ def test_zero_bubble_presets_beat_1f1b_at_same_or_1f1b_peak_memory():
     assert v.makespan < zb.makespan and max(v.max_in_flight) <= 2 * p
 
 
-EXAMPLE = {"placement": "circular", "stages_per_rank": 2, "priority": "backward_first", "traversal": "depth_first", "max_in_flight": 4}
+EXAMPLE = {
+    "placement": "circular",
+    "stages_per_rank": 2,
+    "priority": "backward_first",
+    "traversal": "depth_first",
+    "max_in_flight": 4,
+}
 EXAMPLE_TEXT = "placement=circular stages_per_rank=2 priority=backward_first traversal=depth_first max_in_flight=4"
 
 
@@ -63,7 +69,12 @@ def test_text_and_dict_forms_are_equivalent():
     from_dict, from_text = parse_spec(EXAMPLE), parse_spec(EXAMPLE_TEXT)
     assert from_dict == from_text
     assert (from_dict.forward_traversal, from_dict.backward_traversal) == ("depth_first", "depth_first")
-    assert parse_spec("placement=circular, stages_per_rank=2; priority=backward_first traversal=depth_first max_in_flight=4") == from_text
+    assert (
+        parse_spec(
+            "placement=circular, stages_per_rank=2; priority=backward_first traversal=depth_first max_in_flight=4"
+        )
+        == from_text
+    )
 
 
 def test_paper_spellings_are_accepted():
@@ -133,7 +144,9 @@ def test_in_flight_list_must_match_ranks():
 def test_deadlocking_spec_is_reported():
     # strict depth-first forwards start at the rank's last chunk, which waits on its own first chunk
     spec = parse_spec("placement=circular stages_per_rank=2 forward_traversal=depth_first forward_interval=2")
-    with pytest.raises(ScheduleError, match=r"deadlocks at scheduling step 0: .*rank 0: 0 in flight \(max_in_flight=4\)"):
+    with pytest.raises(
+        ScheduleError, match=r"deadlocks at scheduling step 0: .*rank 0: 0 in flight \(max_in_flight=4\)"
+    ):
         spec.build(2, 4)
 
 
@@ -183,7 +196,10 @@ def test_registered_rule_by_name_in_text():
 
 
 def test_registered_instruction_is_placed_validated_simulated_and_printed():
-    register_instruction(Instruction("SYNC", "tests.sync:gather", after=ActionType.FORWARD, stages=(-1,), every=2, seconds=0.5), overwrite=True)
+    register_instruction(
+        Instruction("SYNC", "tests.sync:gather", after=ActionType.FORWARD, stages=(-1,), every=2, seconds=0.5),
+        overwrite=True,
+    )
     try:
         spec = parse_spec("1f1b instructions=SYNC")
         program = spec.build(2, 4)
@@ -207,3 +223,14 @@ def test_unknown_instruction_is_rejected():
         Instruction("sync2", "x:y")
     with pytest.raises(ValueError, match="not a built-in token"):
         Instruction("SEND_F", "x:y")
+
+
+def test_dict_with_dsl_keys_and_a_name_is_a_dsl_spec():
+    schedule = resolve_schedule({"preset": "1f1b", "name": "mine", "max_in_flight": 2})
+    assert schedule.name == "dsl" and schedule.build(4, 8).name == "mine"
+    assert (
+        resolve_schedule(ScheduleSpec.preset("1f1b").to_dict()).build(3, 4).actions
+        == Schedule("1f1b").build(3, 4).actions
+    )
+    family = resolve_schedule({"family": "interleaved_1f1b", "stages_per_rank": 3})
+    assert (family.name, family.stages_per_rank) == ("interleaved_1f1b", 3)

@@ -59,7 +59,9 @@ def test_peak_memory_is_static_plus_saved_activations():
     costs = ActionCosts.uniform(p, m, saved_bytes=10.0, static_bytes=100.0)
     result = simulate(Schedule("1f1b").build(p, m), costs)
     assert result.peak_memory == (140.0, 130.0, 120.0, 110.0)
-    interleaved = simulate(Schedule("interleaved_1f1b", 2).build(p, m), ActionCosts.uniform(2 * p, m, saved_bytes=5.0, static_bytes=50.0))
+    interleaved = simulate(
+        Schedule("interleaved_1f1b", 2).build(p, m), ActionCosts.uniform(2 * p, m, saved_bytes=5.0, static_bytes=50.0)
+    )
     # rank 0 runs Megatron's 2(p-1) + (v-1)p = 10 warm-up forwards and one more before its first
     # backward: 11 (stage, microbatch) pairs of 5 bytes, from 8 distinct microbatches
     assert interleaved.peak_memory[0] == 100.0 + 5.0 * 11
@@ -85,11 +87,14 @@ def test_memory_actions_offload_and_recompute():
     costs = ActionCosts.uniform(p, m, saved_bytes=4.0)
     plain = build_program("x", m, (0,), [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)]])
     assert simulate(plain, costs).peak_memory == (8.0,)
-    offload = build_program("x", m, (0,), [[
-        F(0, 0), Action(0, ActionType.OFFLOAD, 0), F(0, 1), B(0, 1), Action(0, ActionType.RELOAD, 0), B(0, 0)]])
+    offload = build_program(
+        "x",
+        m,
+        (0,),
+        [[F(0, 0), Action(0, ActionType.OFFLOAD, 0), F(0, 1), B(0, 1), Action(0, ActionType.RELOAD, 0), B(0, 0)]],
+    )
     assert simulate(offload, costs).peak_memory == (4.0,)
-    recompute = build_program("x", m, (0,), [[
-        F(0, 0), F(0, 1), B(0, 1), Action(0, ActionType.RECOMPUTE, 0), B(0, 0)]])
+    recompute = build_program("x", m, (0,), [[F(0, 0), F(0, 1), B(0, 1), Action(0, ActionType.RECOMPUTE, 0), B(0, 0)]])
     result = simulate(recompute, costs)
     assert result.peak_memory == (4.0,)
     assert result.busy == (2 * 1.0 + 2 * 2.0 + 1.0,)  # the recompute costs a forward
@@ -132,7 +137,13 @@ def test_costs_must_cover_the_program():
 
 def test_unmatched_receive_is_a_deadlock():
     program = build_program("x", 1, (0, 1), [[F(0, 0)], [F(1, 0), B(1, 0)]])  # rank 0 never sends
-    program = program.__class__(program.name, 2, 1, (0, 1), (tuple(a for a in program.actions[0] if a.type is ActionType.FORWARD), program.actions[1]))
+    program = program.__class__(
+        program.name,
+        2,
+        1,
+        (0, 1),
+        (tuple(a for a in program.actions[0] if a.type is ActionType.FORWARD), program.actions[1]),
+    )
     with pytest.raises(ScheduleError, match="simulation cannot finish: rank 1 waits on 1RECV_F0"):
         simulate(program, ActionCosts.uniform(2, 1))
 
@@ -145,6 +156,8 @@ def test_simulation_speed_p8_m64(capsys):
     result = simulate(program, costs)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     with capsys.disabled():
-        print(f"\n[benchmark] simulate 1f1b p=8 m=64 ({sum(map(len, program.actions))} actions): "
-              f"{cpu * 1e3:.1f} ms CPU, {wall * 1e3:.1f} ms wall")
+        print(
+            f"\n[benchmark] simulate 1f1b p=8 m=64 ({sum(map(len, program.actions))} actions): "
+            f"{cpu * 1e3:.1f} ms CPU, {wall * 1e3:.1f} ms wall"
+        )
     assert result.makespan == pytest.approx(3 * (64 + 7))

@@ -56,7 +56,11 @@ def test_csv_and_table_round_trip(name, v, p, m):
     program = Schedule(name, v).build(p, m)
     for text, parse in ((format_csv(program), parse_csv), (format_table(program), parse_table)):
         again = parse(text)
-        assert (again.actions, again.stage_to_rank, again.num_microbatches) == (program.actions, program.stage_to_rank, m)
+        assert (again.actions, again.stage_to_rank, again.num_microbatches) == (
+            program.actions,
+            program.stage_to_rank,
+            m,
+        )
     # compute-only CSV, lowered again, gives the same program
     plain = parse_csv(format_csv(program, compute_only=True), stage_to_rank=program.stage_to_rank)
     assert plain.actions == compute_only(program)

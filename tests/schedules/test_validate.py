@@ -74,13 +74,18 @@ def test_communication_between_stages_on_the_same_rank():
 
 def test_receives_out_of_order_between_two_ranks(one_f_one_b):
     bad = with_rank(one_f_one_b, 1, "1RECV_F1 1RECV_F0 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2")
-    with pytest.raises(ScheduleError, match=r"\[matching\] rank 1, step 0: receive #0 from rank 0 is 1RECV_F1 but that rank's send #0 is 0SEND_F0"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"\[matching\] rank 1, step 0: receive #0 from rank 0 is 1RECV_F1 but that rank's send #0 is 0SEND_F0",
+    ):
         validate(bad)
 
 
 def test_deadlock_is_reported_with_every_blocked_rank(one_f_one_b):
     bad = with_rank(one_f_one_b, 0, "0RECV_B0 0F0 0SEND_F0 0F1 0SEND_F1 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0RECV_B2 0B2")
-    with pytest.raises(ScheduleError, match=r"\[deadlock\].*rank 0 waits at step 0 on 0RECV_B0, rank 1 waits at step 0 on 1RECV_F0"):
+    with pytest.raises(
+        ScheduleError, match=r"\[deadlock\].*rank 0 waits at step 0 on 0RECV_B0, rank 1 waits at step 0 on 1RECV_F0"
+    ):
         validate(bad)
 
 

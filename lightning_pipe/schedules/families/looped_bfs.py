@@ -28,7 +28,9 @@ def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) 
     """
     check_sizes("looped_bfs", num_ranks, num_microbatches)
     if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise ValueError(f"looped_bfs: stages_per_rank must be a positive integer, got stages_per_rank={stages_per_rank!r}")
+        raise ValueError(
+            f"looped_bfs: stages_per_rank must be a positive integer, got stages_per_rank={stages_per_rank!r}"
+        )
     orders = []
     for rank in range(num_ranks):
         stages = [chunk * num_ranks + rank for chunk in range(stages_per_rank)]
