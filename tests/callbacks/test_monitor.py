@@ -11,7 +11,7 @@ from lightning_pipe.callbacks import PipelineMonitor
 from lightning_pipe.callbacks.monitor import RankReport, measured_step
 from lightning_pipe.schedules import F, TimedAction, B
 from tests.helpers.models import TinyGPT
-from tests.helpers.training import fit, logged, token_batches
+from tests.helpers.training import START_METHOD, fit, logged, token_batches
 
 
 def test_measured_bubble_counts_receive_waits_as_idle():
@@ -26,7 +26,7 @@ def test_measured_bubble_counts_receive_waits_as_idle():
 
 def test_monitor_logs_and_draws_a_real_run(tmp_path):
     batches = token_batches(4, batch_size=4, lengths=[9, 5, 13, 7])
-    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b", start_method="spawn")
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b", start_method=START_METHOD)
     monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=2)
     fit(lambda: TinyGPT(layers=4).double(), batches, strategy, devices=2, steps=4, log_dir=tmp_path, callbacks=[monitor])
 

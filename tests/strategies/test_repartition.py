@@ -7,7 +7,7 @@ import pytest
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.callbacks import RandomPlans
 from tests.helpers.models import TinyGPT
-from tests.helpers.training import assert_same_parameters, fit, logged, reference_batches, token_batches
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,7 @@ def test_random_plans_every_step_keep_parity(tmp_path, pp, dp, optimizer, accumu
     num_batches = steps * accumulate * dp
     batches = token_batches(num_batches, batch_size=4, lengths=7 if dp > 1 else [5 + 2 * i for i in range(num_batches)])
     make = lambda: TinyGPT(layers=layers, optimizer=optimizer).double()  # noqa: E731
-    strategy = ElasticPipelineStrategy(pipeline_parallel_size=pp, num_microbatches=4, start_method="spawn")
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=pp, num_microbatches=4, start_method=START_METHOD)
     pipelined = fit(
         make, batches, strategy, devices=pp * dp, steps=steps, accumulate_grad_batches=accumulate,
         callbacks=[RandomPlans(schedules)], log_dir=tmp_path,

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.models import TinyGPT
-from tests.helpers.training import assert_same_parameters, fit, reference_batches, token_batches
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, reference_batches, token_batches
 
 STEPS = 3
 
@@ -25,7 +25,7 @@ def test_family_parity(tmp_path, schedule, pp, layers):
     batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
     make = lambda: TinyGPT(layers=layers).double()  # noqa: E731
     strategy = ElasticPipelineStrategy(
-        pipeline_parallel_size=pp, num_microbatches=4, schedule=schedule, start_method="spawn"
+        pipeline_parallel_size=pp, num_microbatches=4, schedule=schedule, start_method=START_METHOD
     )
     pipelined = fit(make, batches, strategy, devices=pp, steps=STEPS)
     reference = fit(make, reference_batches(batches, 1), steps=STEPS)
@@ -40,7 +40,7 @@ def test_switching_family_mid_training_keeps_parity(tmp_path):
     batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
     make = lambda: TinyGPT(layers=4).double()  # noqa: E731
     switch = ScheduleSwitch({0: "1f1b", 1: "zbv", 2: "gpipe"})
-    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, start_method="spawn")
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, start_method=START_METHOD)
     record = RecordPlans(str(tmp_path / "plans.jsonl"))
     pipelined = fit(make, batches, strategy, devices=2, steps=STEPS, callbacks=[switch, record])
     reference = fit(make, reference_batches(batches, 1), steps=STEPS)
