@@ -213,12 +213,12 @@ class ScheduleSpec:
                 raise ValueError(f"unknown rule {rule!r}; registered rules: {', '.join(sorted(_RULES)) or 'none'}")
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> ScheduleSpec:
-        """The spec of a named preset (``PRESETS``), with fields overridden."""
+    def preset(cls, preset: str, /, **overrides: Any) -> ScheduleSpec:
+        """The spec of a named preset (``PRESETS``), with fields overridden (``name=`` included)."""
         try:
-            base = PRESETS[name.lower()]
+            base = PRESETS[preset.lower()]
         except KeyError:
-            raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+            raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(sorted(PRESETS))}") from None
         return dataclasses.replace(base, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
