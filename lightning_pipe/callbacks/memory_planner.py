@@ -1,0 +1,91 @@
+"""``MemoryPlanner``: choose recompute and offload per (stage, microbatch) for every batch, under a budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+
+from lightning_pipe.planning.memory_model import FULL, KEEP_ATTENTION, OFFLOAD, parse_size
+from lightning_pipe.planning.memory_planner import MemoryPlanResult
+
+log = logging.getLogger(__name__)
+
+
+class MemoryPlanner(L.Callback):
+    """Before every batch, plan recompute/offload from the batch's shapes so that it fits ``budget``.
+
+    The first batch is probed (each rank runs its stages on the first microbatch in every recompute
+    mode and counts what autograd saves per block; ranks share the counts), then every batch is
+    planned from its own microbatch shapes: a long batch gets more recomputation than a short one.
+    The plan with the smallest simulated step time that fits (``planning.memory_planner``) is applied
+    with ``strategy.apply_plan`` as the ``memory`` part of the pipeline plan; the partition and
+    schedule stay as they are, so put this callback after callbacks that repartition.
+
+    Args:
+        budget: bytes per device (``"60GiB"``) for parameters, gradients, optimizer state and saved
+            activations; None: the strategy's ``memory_budget``. Also enforced on the accounted bytes.
+        options: what the planner may use among ``"full"``, ``"keep_attention"``, ``"offload"``.
+        method: ``"milp"`` (HiGHS, greedy fallback) or ``"greedy"``.
+        objective: ``"makespan"`` (simulated step time) or ``"recompute"`` (InfiniPipe's total recompute).
+        lengths: given a microbatch, the length of each of its samples (default: dimension 1 of its
+            first integer ``[B, T]`` tensor).
+        host_bandwidth: device-host bytes per second, for offload stalls.
+        cost_model: a :class:`~lightning_pipe.planning.cost_model.CostModel` for seconds; default: flop
+            counts from the probe.
+    """
+
+    def __init__(
+        self,
+        budget: str | int | None = None,
+        options: Sequence[str] = (FULL, KEEP_ATTENTION, OFFLOAD),
+        method: str = "milp",
+        objective: str = "makespan",
+        lengths: Callable[[Any], Sequence[int]] | None = None,
+        host_bandwidth: float = 25e9,
+        cost_model: Any = None,
+    ) -> None:
+        unknown = set(options) - {FULL, KEEP_ATTENTION, OFFLOAD}
+        if unknown:
+            raise ValueError(f"`MemoryPlanner(options=...)`: unknown {sorted(unknown)}; use 'full', 'keep_attention', 'offload'.")
+        if method not in ("milp", "greedy"):
+            raise ValueError(f"`MemoryPlanner(method={method!r})`: use 'milp' or 'greedy'.")
+        if objective not in ("makespan", "recompute"):
+            raise ValueError(f"`MemoryPlanner(objective={objective!r})`: use 'makespan' or 'recompute'.")
+        self.budget = None if budget is None else parse_size(budget)
+        self.options = tuple(options)
+        self.method = method
+        self.objective = objective
+        self.lengths = lengths
+        self.host_bandwidth = host_bandwidth
+        self.cost_model = cost_model
+        self.results: list[MemoryPlanResult] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Check the strategy and give it the budget to enforce."""
+        memory = getattr(trainer.strategy, "memory", None)
+        if memory is None:
+            raise TypeError(
+                f"`MemoryPlanner` needs `ElasticPipelineStrategy`, got `{type(trainer.strategy).__name__}`."
+            )
+        if self.budget is None and memory.budget is None:
+            raise ValueError("`MemoryPlanner(budget=None)` needs `ElasticPipelineStrategy(memory_budget=...)`.")
+        if self.budget is not None:
+            memory.set_budget(self.budget)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Plan this batch's memory and apply it (every rank computes the same plan)."""
+        strategy = trainer.strategy
+        result = strategy.memory.plan_batch(
+            batch, (batch_idx,), self.budget, lengths=self.lengths, options=self.options, method=self.method,
+            objective=self.objective, host_bandwidth=self.host_bandwidth, cost_model=self.cost_model,
+        )
+        self.results.append(result)
+        strategy.apply_plan(dataclasses.replace(strategy.plan, memory=result.plan.to_dict()))
+        log.debug(
+            "batch %d: memory plan by %s, predicted peak %s bytes, step %.3g s", batch_idx, result.method,
+            [round(p) for p in result.prediction.peak_bytes], result.step_seconds,
+        )

@@ -1,0 +1,275 @@
+"""The strategy's memory support: memory plans per (stage, microbatch), the budget, probes.
+
+:class:`StrategyMemory` is what ``ElasticPipelineStrategy.memory`` holds. It turns the strategy's
+``memory_budget``/``recompute``/``offload``/``mlp_chunk_size`` arguments into a static
+:class:`~lightning_pipe.planning.memory_model.MemoryPlan`, installs the plan of every
+:class:`~lightning_pipe.planning.plan.PipelinePlan` (``plan.memory``; empty means the static one),
+gives the executor the block wrappers of the current plan, accounts saved activations against the
+budget during training steps, and answers the MemoryPlanner callback (profile, shapes, static bytes).
+Lightning-free: it only needs the strategy's attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, Callable, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten
+
+from lightning_pipe.planning.cost_model import MicrobatchShape
+from lightning_pipe.planning.memory_model import (
+    FULL,
+    KEEP_ATTENTION,
+    NONE,
+    MemoryPlan,
+    MemoryProfile,
+    StageMemory,
+    UnitMemory,
+    fit_linear,
+    parse_size,
+)
+from lightning_pipe.planning.memory_planner import MemoryPlanResult, plan_memory
+from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.runtime.memory import DEFAULT_MLP_NAMES, MemoryRuntime
+from lightning_pipe.runtime.memory_accounting import StepMemory
+from lightning_pipe.runtime.memory_profile import (
+    ProbeRecord,
+    gather_records,
+    measure_stages,
+    probe_microbatches,
+    sequence_lengths,
+)
+from lightning_pipe.runtime.microbatch import split_batch
+from lightning_pipe.schedules.ir import ActionType, Program
+
+log = logging.getLogger(__name__)
+
+RecomputeSpec = Union[str, int, StageMemory, MemoryPlan, None]
+"""``"none"``, ``"full"``, ``"keep_attention"``, ``"auto"``, every-k-th integer, StageMemory or MemoryPlan."""
+
+# Optimizer state bytes per parameter byte, by optimizer class name (before the first step creates it).
+_OPTIMIZER_STATE = {"Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adagrad": 1.0,
+                    "RMSprop": 1.0, "Adadelta": 2.0}
+
+
+class StrategyMemory:
+    """Memory plans, budget and probes of one ``ElasticPipelineStrategy``.
+
+    Args:
+        memory_budget: bytes per device (or a size text like ``"40GiB"``) for parameters, gradients,
+            optimizer state and saved activations; None: no budget.
+        recompute: see :data:`RecomputeSpec`; ``"auto"`` plans once, from the first batch, the
+            fastest plan that fits ``memory_budget``.
+        offload: True, False, or blocks per stage whose saved activations go to host memory.
+        mlp_chunk_size: chunk size for position-wise MLPs (HelixPipe), or None.
+        mlp_modules: attribute names of the MLP submodules to chunk.
+        planning_margin: fraction of the budget kept free when planning (measurement noise).
+    """
+
+    def __init__(
+        self,
+        memory_budget: str | int | None = None,
+        recompute: RecomputeSpec = None,
+        offload: bool | int = False,
+        mlp_chunk_size: int | None = None,
+        mlp_modules: Sequence[str] = DEFAULT_MLP_NAMES,
+        planning_margin: float = 0.05,
+    ) -> None:
+        self.budget: int | None = None if memory_budget is None else parse_size(memory_budget)
+        self.auto = recompute == "auto"
+        if self.auto and self.budget is None:
+            raise ValueError("`recompute='auto'` chooses a plan under `memory_budget`: set `memory_budget` (e.g. '40GiB').")
+        if isinstance(offload, bool) is False and (not isinstance(offload, int) or offload < 0):
+            raise ValueError(f"`offload={offload!r}`: use True, False or a number of blocks per stage.")
+        if mlp_chunk_size is not None and mlp_chunk_size < 1:
+            raise ValueError(f"`mlp_chunk_size` must be None or >= 1, got {mlp_chunk_size}.")
+        if isinstance(recompute, MemoryPlan):
+            self.static_plan = recompute
+        else:
+            self.static_plan = MemoryPlan.from_options(None if self.auto else recompute, offload, mlp_chunk_size)
+        self.mlp_chunk_size = mlp_chunk_size
+        self.mlp_modules = tuple(mlp_modules)
+        self.planning_margin = planning_margin
+        self.plan: MemoryPlan = self.static_plan
+        self.runtime: MemoryRuntime | None = None
+        self.profile: MemoryProfile | None = None
+        self.last_step: StepMemory | None = None
+        self.last_result: MemoryPlanResult | None = None
+        self.track = False  # account saved activations even without a budget or a plan
+        self._strategy: Any = None
+        self._planned_auto = False
+        self._batch_tensors: list[Tensor] = []
+
+    # --- wiring ----------------------------------------------------------------------------------
+
+    def setup(self, strategy: Any) -> None:
+        """Create the rank's memory runtime (after the stage runner exists)."""
+        self._strategy = strategy
+        self.runtime = MemoryRuntime(
+            strategy.runner.stack.blocks, strategy.root_device, strategy.layout.pipeline_rank,
+            mlp_names=self.mlp_modules, budget_bytes=self.budget,
+        )
+
+    def install(self, plan: PipelinePlan, program: Program) -> None:
+        """Adopt ``plan.memory`` (empty: the static plan from the strategy's arguments).
+
+        Raises:
+            ValueError: ``keep_attention`` with a split-backward (zero-bubble) program.
+        """
+        memory = MemoryPlan.from_dict(plan.memory) if plan.memory else self.static_plan
+        split = any(a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
+        if split and memory.uses(KEEP_ATTENTION):
+            raise ValueError(
+                f"`recompute='keep_attention'` needs one backward pass per microbatch, but schedule {program.name!r} "
+                "splits backward into I and W passes (selective checkpointing allows one). Use `recompute='full'` or a "
+                "schedule without split backward (1f1b, gpipe, interleaved_1f1b)."
+            )
+        self.plan = memory
+
+    def set_budget(self, budget: str | int | None) -> None:
+        """Set the per-device budget enforced on accounted bytes."""
+        self.budget = None if budget is None else parse_size(budget)
+        if self.runtime is not None:
+            self.runtime.counter.budget_bytes = self.budget
+
+    @property
+    def active(self) -> bool:
+        """Whether steps run with block wrappers and saved-activation accounting."""
+        return self.track or self.budget is not None or self.auto or not self.plan.is_empty
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    def before_step(self, batch: Any, rest: tuple) -> Callable[[int, int], Any] | None:
+        """Plan once for ``recompute='auto'``; the executor's ``block_wrapper`` for this step (or None)."""
+        if self.auto and not self._planned_auto:
+            result = self.plan_batch(batch, rest, self.budget)
+            self.static_plan = result.plan
+            self.plan = result.plan
+            self._planned_auto = True
+        if not self.active or self.runtime is None:
+            return None
+        # the batch is held by the loader anyway: saved views of it (token ids) are not activations
+        self._batch_tensors = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor)]
+        spans, plan, runtime = self._strategy.spans, self.plan, self.runtime
+
+        def block_wrapper(stage: int, microbatch: int):
+            span = spans[stage]
+            choice = plan.choice(stage, microbatch)
+            modes = choice.block_modes(span.end_block - span.first_block)
+            return runtime.wrapper(stage, microbatch, span.first_block, modes, choice.mlp_chunk_size)
+
+        return block_wrapper
+
+    @contextlib.contextmanager
+    def accounting(self, train: bool):
+        """Count saved activations (and enforce the budget) around a training step's program."""
+        if not train or not self.active or self.runtime is None:
+            yield
+            return
+        excluded = self._owned_parameters() + self._batch_tensors
+        with self.runtime.step(excluded, int(self.rank_static_bytes())) as step:
+            yield
+        self.last_step = step
+        self._batch_tensors = []
+
+    # --- numbers for planners --------------------------------------------------------------------
+
+    def static_bytes_per_parameter_byte(self) -> float:
+        """Parameter + gradient + optimizer state bytes per parameter byte (2 + the optimizer's states)."""
+        optimizers = [getattr(o, "optimizer", o) for o in (self._strategy.optimizers if self._strategy else [])]
+        return 2.0 + max((_OPTIMIZER_STATE.get(type(o).__name__, _momentum(o)) for o in optimizers), default=0.0)
+
+    def rank_static_bytes(self) -> float:
+        """Static bytes this rank holds (its real parameters, their gradients and optimizer state)."""
+        params = self._owned_parameters()
+        return sum(p.numel() * p.element_size() for p in params) * self.static_bytes_per_parameter_byte()
+
+    def _owned_parameters(self) -> list[Tensor]:
+        module = self._strategy.lightning_module
+        return [p for p in module.parameters() if p.device.type != "meta"]
+
+    def microbatch_shapes(self, batch: Any, lengths: Callable[[Any], Sequence[int]] | None = None) -> list[MicrobatchShape]:
+        """Shapes of the batch's microbatches as the strategy splits it."""
+        measure = lengths or sequence_lengths
+        shape = self.profile.shape if self.profile is not None else MicrobatchShape.from_lengths
+        return [shape(measure(mb)) for mb in split_batch(batch, self._strategy.num_microbatches)]
+
+    def measure_profile(self, batch: Any, rest: tuple = (0,), probe_length: int | None = 512) -> MemoryProfile:
+        """Probe this rank's stages on the batch's first microbatch, share with the pipeline, fit."""
+        strategy = self._strategy
+        assert self.runtime is not None
+        first = split_batch(batch, strategy.num_microbatches)[0]
+        probes = [(p, *rest) for p in probe_microbatches(first, probe_length)]
+        records = measure_stages(
+            strategy.runner, self.runtime, "training_step", probes, list(strategy.spans.values()),
+            self._owned_parameters(), strategy.root_device, step_context=strategy.precision_plugin.train_step_context,
+        )
+        records = gather_records(records, strategy.groups.pipeline if strategy.pipeline_parallel_size > 1 else None)
+        self.profile = build_profile(
+            records, strategy.lightning_module, strategy.unit_layout, self.static_bytes_per_parameter_byte()
+        )
+        return self.profile
+
+    def plan_batch(
+        self, batch: Any, rest: tuple = (0,), budget: int | None = None, lengths: Callable | None = None,
+        **planner_options: Any,
+    ) -> MemoryPlanResult:
+        """The fastest plan under ``budget`` for this batch (probing first if no profile yet)."""
+        strategy = self._strategy
+        budget = self.budget if budget is None else budget
+        if budget is None:
+            raise ValueError("No memory budget: pass `budget=` to MemoryPlanner or `memory_budget=` to the strategy.")
+        if self.profile is None:
+            self.measure_profile(batch, rest)
+        shapes = self.microbatch_shapes(batch, lengths)
+        options = {"mlp_chunk_size": self.mlp_chunk_size, **planner_options}
+        result = plan_memory(
+            strategy.program, strategy.boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin), **options
+        )
+        self.last_result = result
+        log.debug("memory plan (%s): %s", result.method, result.plan.to_dict())
+        return result
+
+
+def _momentum(optimizer: Optimizer) -> float:
+    return 1.0 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0.0
+
+
+def build_profile(records: list[ProbeRecord], module: torch.nn.Module, layout: Any, static_per_byte: float) -> MemoryProfile:
+    """Fit per-unit linear saved bytes from probe records; parameter sizes from the module (meta included)."""
+    offsets = sorted(r.lengths[0] - r.positions for r in records if r.positions > 0 and r.lengths)
+    offset = offsets[len(offsets) // 2] if offsets and offsets[0] >= 0 else 0
+    summed: dict[tuple, int] = defaultdict(int)
+    hidden: dict[int, int] = defaultdict(int)
+    for r in records:
+        summed[(r.unit, r.mode, r.lengths)] += r.saved_bytes
+        hidden[r.unit] = max(hidden[r.unit], r.hidden)
+    per_unit: dict[tuple[int, str], list] = defaultdict(list)
+    for (unit, mode, lengths), nbytes in summed.items():
+        shape = MicrobatchShape.from_lengths([max(1, n - offset) for n in lengths])
+        per_unit[(unit, mode)].append((shape, float(nbytes)))
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    units = []
+    for unit, names in enumerate(layout.unit_names):
+        params = [tensors[n] for n in names if n in tensors]
+        saved = {}
+        for mode in (NONE, FULL, KEEP_ATTENTION):
+            points = per_unit.get((unit, mode))
+            if points:
+                saved[mode] = fit_linear(points)
+        if NONE not in saved:
+            raise RuntimeError(f"The memory probe measured nothing for unit {unit}; every unit must be owned by a rank.")
+        name = "pre" if unit == 0 else "post" if unit == layout.num_units - 1 else f"block.{unit - 1}"
+        units.append(
+            UnitMemory(
+                name, saved, parameter_bytes=float(sum(p.numel() * p.element_size() for p in params)),
+                parameters=float(sum(p.numel() for p in params)), hidden=hidden[unit],
+            )
+        )
+    return MemoryProfile(tuple(units), static_per_byte, offset)
