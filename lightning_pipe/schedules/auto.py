@@ -307,8 +307,3 @@ def _bytes(value: float) -> str:
             return f"{value:.4g} {unit}"
         value /= 1024
     return f"{value:g}"
-
-
-def _program_of(row: AutoScheduleRow, num_ranks: int, num_microbatches: int) -> Program:
-    """The program a row stands for (rebuilt; programs are not kept to save memory)."""
-    return row.schedule.build(num_ranks, num_microbatches)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from .instructions import custom_action, get_instruction
 from .ir import Action, ActionType, Program
+from .lowering import build_program
 from .validate import ScheduleError, format_grid
 
 __all__ = ["RuleContext", "EngineSettings", "run_engine"]
@@ -270,6 +271,4 @@ def _deadlock(settings: EngineSettings, orders: list[list[Action]], step: int, i
 
 def engine_program(settings: EngineSettings) -> Program:
     """Run the engine and lower the result (communication inserted, not validated)."""
-    from .lowering import build_program
-
     return build_program(settings.name, settings.num_microbatches, settings.stage_to_rank, run_engine(settings))

@@ -165,6 +165,9 @@ class Schedule:
     def build(self, num_ranks: int, num_microbatches: int) -> Program:
         """Build the program of this schedule for ``num_ranks`` ranks and ``num_microbatches``.
 
+        Family programs are not validated here (DSL programs are); call
+        :func:`lightning_pipe.schedules.validate` before running one.
+
         Raises:
             ValueError: from the family when the sizes or options do not fit it.
         """

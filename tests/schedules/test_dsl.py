@@ -234,3 +234,10 @@ def test_dict_with_dsl_keys_and_a_name_is_a_dsl_spec():
     )
     family = resolve_schedule({"family": "interleaved_1f1b", "stages_per_rank": 3})
     assert (family.name, family.stages_per_rank) == ("interleaved_1f1b", 3)
+
+
+def test_interleaved_priority_with_units_of_two():
+    # by hand: the last rank takes two forwards, then (strictly, once started) two backwards, ...
+    program = parse_spec("priority=interleaved forward_unit=2 backward_unit=2 max_in_flight=none").build(2, 4)
+    rows = [" ".join(str(a) for a in rank if a.type.is_compute) for rank in program.actions]
+    assert rows == ["0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", "1F0 1F1 1B0 1B1 1F2 1F3 1B2 1B3"]
