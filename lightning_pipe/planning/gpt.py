@@ -13,7 +13,9 @@ microbatch of ``T`` tokens whose sequences have squared lengths summing to ``Q``
 norm, the untied LM head (``2 * h * vocab * T`` forward FLOPs) and the loss, which keeps fp32 logits
 (``4 * vocab`` bytes per token) for backward. Seconds are FLOPs divided by
 ``device_flops * efficiency``. Memory for mixed precision with Adam: parameters and gradients in the
-parameter dtype, and ``optimizer_bytes_per_parameter`` (12: fp32 master copy and two moments).
+parameter dtype, and ``optimizer_bytes_per_parameter`` (12: fp32 master copy and two moments). With
+``full_recompute`` a layer keeps only its input (``2 * h`` bytes per token) and its backward costs
+three forwards instead of two.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def gpt_cost_model(
     efficiency: float = 0.5,
     flash_attention: bool = True,
     activation_bytes_per_token: float | None = None,
+    full_recompute: bool = False,
     optimizer_bytes_per_parameter: float = 12.0,
     unit_overhead_seconds: float = 0.0,
     latency: float = 10e-6,
@@ -49,8 +52,10 @@ def gpt_cost_model(
         efficiency: fraction of the peak reached (model FLOPs utilization).
         flash_attention: if True, attention scores are not stored (no quadratic memory term).
         activation_bytes_per_token: bytes a layer keeps per token; default ``34 * h`` (16-bit
-            activations, no recomputation). Pass ``2 * h`` to model full activation recomputation
-            (the recomputation time is then *not* added; scale ``efficiency`` for it).
+            activations, no recomputation), or ``2 * h`` with ``full_recompute``.
+        full_recompute: model full activation recomputation of every layer: a layer keeps only its
+            16-bit input (``2 * h`` bytes per token) and its backward recomputes the forward first
+            (three forwards' worth of FLOPs instead of two).
         optimizer_bytes_per_parameter: optimizer state per parameter (12 for mixed-precision Adam).
         unit_overhead_seconds: fixed seconds per unit and microbatch, forward (backward: twice).
         latency: seconds per point-to-point message between stages.
@@ -72,13 +77,19 @@ def gpt_cost_model(
     h = float(hidden)
     rate = device_flops * efficiency
     per_parameter = 2.0 * params_dtype_bytes + optimizer_bytes_per_parameter
-    saved_per_token = 34.0 * h if activation_bytes_per_token is None else float(activation_bytes_per_token)
+    default_saved = 2.0 * h if full_recompute else 34.0 * h
+    saved_per_token = default_saved if activation_bytes_per_token is None else float(activation_bytes_per_token)
 
-    def unit(name: str, token_flops: float, square_flops: float, params: float, saved: LinearCost, out: float) -> UnitCost:
+    def unit(
+        name: str, token_flops: float, square_flops: float, params: float, saved: LinearCost, out: float, recompute: bool = False
+    ) -> UnitCost:
+        factor = 3.0 if recompute else 2.0
         return UnitCost(
             name=name,
             forward=LinearCost(unit_overhead_seconds, token_flops / rate, square_flops / rate),
-            backward=LinearCost(2 * unit_overhead_seconds, 2 * token_flops / rate, 2 * square_flops / rate),
+            backward=LinearCost(
+                factor * unit_overhead_seconds, factor * token_flops / rate, factor * square_flops / rate
+            ),
             saved_bytes=saved,
             output_bytes_per_token=out,
             parameter_bytes=params * params_dtype_bytes,
@@ -94,8 +105,9 @@ def gpt_cost_model(
             24.0 * h * h,
             4.0 * h,
             12.0 * h * h + 13.0 * h,
-            LinearCost(0.0, saved_per_token, 0.0 if flash_attention else 5.0 * heads),
+            LinearCost(0.0, saved_per_token, 0.0 if flash_attention or full_recompute else 5.0 * heads),
             activation_out,
+            full_recompute,
         )
         for i in range(num_layers)
     ]

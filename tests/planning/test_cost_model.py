@@ -120,3 +120,12 @@ def test_tables_match_unit_evaluation(rng):
     np.testing.assert_allclose(tables.forward, expected)
     with pytest.raises(ValueError, match="empty"):
         model.tables([])
+
+
+def test_gpt_full_recompute_trades_memory_for_a_forward():
+    plain = gpt_cost_model(2, hidden=64, heads=4, vocab=100, flash_attention=False)
+    recompute = gpt_cost_model(2, hidden=64, heads=4, vocab=100, flash_attention=False, full_recompute=True)
+    block, cheap = plain.units[1], recompute.units[1]
+    assert cheap.saved_bytes == LinearCost(0.0, 2 * 64, 0.0)
+    assert cheap.backward.per_token == pytest.approx(1.5 * block.backward.per_token)
+    assert cheap.forward == block.forward
