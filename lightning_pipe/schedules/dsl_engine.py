@@ -52,7 +52,8 @@ class RuleContext:
         num_microbatches: microbatches per step.
         stage_to_rank: placement.
         in_flight: microbatches in flight on this rank (forwarded here, not yet fully backwarded here).
-        completed: ``{(type, stage, microbatch): step}`` of every action scheduled so far.
+        completed: ``{(type, stage, microbatch): step}`` of every action scheduled so far (kept
+            only when the spec has rules).
     """
 
     rank: int
@@ -140,7 +141,12 @@ def run_engine(settings: EngineSettings) -> list[list[Action]]:
     backward_kind = _I if settings.split_backward else _B
     stages_of = [[s for s, r in enumerate(placement) if r == rank] for rank in range(num_ranks)]
     next_mb = {(kind, s): 0 for s in range(len(placement)) for kind in (_F, backward_kind)}
-    completed: dict[tuple, int] = {}
+    completed: dict[tuple, int] = {}  # (type, stage, microbatch) -> step, for rules
+    never = float("inf")
+    # Step at which F / B-or-I of (stage, microbatch) ran: lists, because hashing tuples that hold
+    # Enum members (a Python-level __hash__) dominated the engine's time.
+    forward_step = [[never] * m for _ in placement]
+    backward_step = [[never] * m for _ in placement]
     pending_w: list[deque[Action]] = [deque() for _ in range(num_ranks)]
     pending_custom: list[deque[Action]] = [deque() for _ in range(num_ranks)]
     in_flight = [0] * num_ranks  # distinct microbatches alive on the rank
@@ -155,13 +161,10 @@ def run_engine(settings: EngineSettings) -> list[list[Action]]:
     scheduled_compute = 0
     step = idle_streak = 0
 
-    def visible(key: tuple) -> bool:
-        return completed.get(key, step) < step
-
     def ready(kind: ActionType, s: int, mb: int) -> bool:
         if kind is _F:
-            return s == 0 or visible((_F, s - 1, mb))
-        return visible((_F, s, mb)) and (s == last or visible((backward_kind, s + 1, mb)))
+            return s == 0 or forward_step[s - 1][mb] < step
+        return forward_step[s][mb] < step and (s == last or backward_step[s + 1][mb] < step)
 
     def allowed(rank: int, action: Action) -> bool:
         if not settings.rules:
@@ -172,7 +175,7 @@ def run_engine(settings: EngineSettings) -> list[list[Action]]:
     def pick(rank: int, kind: ActionType) -> Action | None:
         if kind is _W:
             queue = pending_w[rank]
-            if queue and visible((_I, queue[0].stage, queue[0].microbatch)) and allowed(rank, queue[0]):
+            if queue and backward_step[queue[0].stage][queue[0].microbatch] < step and allowed(rank, queue[0]):
                 return queue[0]
             return None
         full = kind is _F and in_flight[rank] >= settings.max_in_flight[rank]
@@ -248,7 +251,12 @@ def run_engine(settings: EngineSettings) -> list[list[Action]]:
         else:
             idle_streak = 0
         for rank, action in chosen:
-            completed[(action.type, action.stage, action.microbatch)] = step
+            if settings.rules:
+                completed[(action.type, action.stage, action.microbatch)] = step
+            if action.type is _F:
+                forward_step[action.stage][action.microbatch] = step
+            elif action.type is backward_kind:
+                backward_step[action.stage][action.microbatch] = step
             orders[rank].append(action)
             if action.type is not ActionType.CUSTOM:
                 scheduled_compute += 1

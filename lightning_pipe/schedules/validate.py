@@ -232,6 +232,8 @@ def _order_requirements(a: Action, rank: int, rank_of: Sequence[int], last: int)
         return [(((_B, s, mb), (_I, s, mb)), "the backward that produces it")]
     if kind is ActionType.RELOAD:
         return [((ActionType.OFFLOAD, s, mb), "reload after offload")]
+    if kind is ActionType.OFFLOAD or kind is ActionType.RECOMPUTE:
+        return [((_F, s, mb), f"{kind.value.lower()} after the forward whose activations it handles")]
     return []
 
 

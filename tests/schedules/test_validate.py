@@ -145,3 +145,14 @@ def test_step_action_is_accepted():
     program = Schedule("1f1b").build(2, 2)
     actions = [rank + (Action(r, ActionType.STEP),) for r, rank in enumerate(program.actions)]
     validate(replace(program, actions=tuple(actions)))
+
+
+def test_memory_actions_follow_their_forward():
+    program = build_program("mem", 1, (0,), [[Action(0, ActionType.RECOMPUTE, 0), F(0, 0), B(0, 0)]])
+    with pytest.raises(ScheduleError, match=r"0RECOMPUTE0 runs before 0F0 \(recompute after the forward"):
+        validate(program)
+    program = build_program("mem", 1, (0,), [[F(0, 0), Action(0, ActionType.RELOAD, 0), B(0, 0)]])
+    with pytest.raises(ScheduleError, match=r"0RELOAD0 runs before 0OFFLOAD0 \(reload after offload\)"):
+        validate(program)
+    ok = [F(0, 0), Action(0, ActionType.OFFLOAD, 0), Action(0, ActionType.RELOAD, 0), B(0, 0)]
+    validate(build_program("mem", 1, (0,), [ok]))
