@@ -57,3 +57,21 @@ def test_schedule_switch_rejects_bad_rules():
         ScheduleSwitch({0: "nope"})
     with pytest.raises(ValueError, match="unit='hour'"):
         ScheduleSwitch({0: "1f1b"}, unit="hour")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "placement=circular stages_per_rank=2 priority=backward_first traversal=depth_first max_in_flight=4",
+        {"preset": "v_zb"},  # DSL-only V-shape zero bubble, dict form as in a YAML config
+    ],
+    ids=["circular-depth-first", "v_zb-dict"],
+)
+def test_dsl_schedule_parity(spec):
+    batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule=spec, start_method=START_METHOD)
+    assert strategy.schedule.stages_per_rank == 2
+    pipelined = fit(make, batches, strategy, devices=2, steps=STEPS)
+    reference = fit(make, reference_batches(batches, 1), steps=STEPS)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
