@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-from examples.gpt.data import TokenBatches  # noqa: E402
-from examples.gpt.model import GPT  # noqa: E402
+from examples.gpt.data import TokenBatches
+from examples.gpt.model import GPT
 
 CONFIGS = {
     "single": "(a) single, 1 thread",
@@ -114,9 +114,7 @@ def make_optimizer(module: nn.Module) -> torch.optim.Optimizer:
 
 def make_batches(args: argparse.Namespace) -> list[torch.Tensor]:
     """Returns the `[global_batch, seq_len + 1]` batches of every step, warmup included."""
-    data = TokenBatches(
-        args.warmup + args.steps, args.global_batch, fixed_len=args.seq_len, seed=args.seed
-    )
+    data = TokenBatches(args.warmup + args.steps, args.global_batch, fixed_len=args.seq_len, seed=args.seed)
     return [data[i] for i in range(len(data))]
 
 
@@ -174,9 +172,7 @@ def run_single(args: argparse.Namespace, config: str, threads: int) -> list[Rank
 def result(args, config, rank, world_size, step_seconds, rss_before, held, loss) -> RankResult:
     peak = peak_rss_bytes()
     tokens = args.global_batch * args.seq_len
-    return RankResult(
-        config, rank, world_size, tokens, step_seconds, peak, peak - rss_before, held, loss
-    )
+    return RankResult(config, rank, world_size, tokens, step_seconds, peak, peak - rss_before, held, loss)
 
 
 # ----------------------------------------------------------------------------- (b) DDP
@@ -218,7 +214,7 @@ class FirstStage(nn.Module):
         self.blocks = nn.ModuleList(gpt.blocks[:num_blocks])
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.size()
+        T = idx.size(1)  # idx: [B, T]
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
@@ -363,11 +359,8 @@ def launch(config: str, args: argparse.Namespace, out: str) -> tuple[list[RankRe
     command += forwarded_flags(args)
     env = dict(os.environ, OMP_NUM_THREADS="1" if config != "single-2t" else "2")
     env["PYTHONWARNINGS"] = "ignore"
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
-    results = [
-        RankResult(**json.loads(path.read_text()))
-        for path in sorted(Path(out).glob(f"{config}-rank*.json"))
-    ]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
+    results = [RankResult(**json.loads(path.read_text())) for path in sorted(Path(out).glob(f"{config}-rank*.json"))]
     error = "" if completed.returncode == 0 else completed.stderr.strip().splitlines()[-1]
     return results, error
 
@@ -384,8 +377,17 @@ def print_table(args, rows: dict[str, tuple[list[RankResult], str]], load_before
     mib = 1024**2
     reference = None
     table = Table(title="Training throughput on CPU (fixed-length batches)")
-    for column in ("configuration", "ranks", "tokens/s (median step)", "tokens/s (mean)", "vs first row", "peak RSS MiB / rank",
-                   "RSS growth MiB / rank", "param MiB / rank", "final loss"):
+    for column in (
+        "configuration",
+        "ranks",
+        "tokens/s (median step)",
+        "tokens/s (mean)",
+        "vs first row",
+        "peak RSS MiB / rank",
+        "RSS growth MiB / rank",
+        "param MiB / rank",
+        "final loss",
+    ):
         table.add_column(column, justify="left" if column == "configuration" else "right")
     for config, (results, error) in rows.items():
         if not results:

@@ -30,9 +30,7 @@ def make_rule(vocab_size: int, seed: int) -> torch.Tensor:
     return torch.randperm(vocab_size, generator=generator)
 
 
-def sample_lengths(
-    num_batches: int, min_len: int, max_len: int, seed: int, sigma: float = 0.9
-) -> torch.Tensor:
+def sample_lengths(num_batches: int, min_len: int, max_len: int, seed: int, sigma: float = 0.9) -> torch.Tensor:
     """Draws one sequence length per batch from a clipped lognormal distribution.
 
     The median is `2 * min_len`; with `sigma=0.9` about 1% of the batches exceed `16 * min_len`.
@@ -107,9 +105,7 @@ class TokenBatches(Dataset):
         follow_rule = torch.rand(B, T, generator=generator) >= self.noise
         tokens = random_tokens.clone()
         for t in range(1, T):
-            tokens[:, t] = torch.where(
-                follow_rule[:, t], self.rule[tokens[:, t - 1]], random_tokens[:, t]
-            )
+            tokens[:, t] = torch.where(follow_rule[:, t], self.rule[tokens[:, t - 1]], random_tokens[:, t])
         return tokens
 
 

@@ -12,8 +12,8 @@ import math
 
 import lightning as L
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class CausalSelfAttention(nn.Module):
@@ -50,9 +50,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.c_proj(y))
 
@@ -166,11 +164,9 @@ class GPT(L.LightningModule):
         Returns:
             Logits `[B, T, vocab_size]`.
         """
-        B, T = idx.size()
+        T = idx.size(1)  # idx: [B, T]
         if T > self.hparams.block_size:
-            raise ValueError(
-                f"Sequence length {T} exceeds `block_size` ({self.hparams.block_size})."
-            )
+            raise ValueError(f"Sequence length {T} exceeds `block_size` ({self.hparams.block_size}).")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)  # [T]
         x = self.drop(self.wte(idx) + self.wpe(pos))  # [B, T, C]
         for block in self.blocks:

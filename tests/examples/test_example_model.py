@@ -10,7 +10,7 @@ from examples.gpt.model import GPT
 
 
 def tiny_gpt(**overrides) -> GPT:
-    options = dict(vocab_size=32, block_size=64, n_layer=2, n_head=2, n_embd=16)
+    options = {"vocab_size": 32, "block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 16}
     options.update(overrides)
     return GPT(**options)
 

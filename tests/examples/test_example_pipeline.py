@@ -42,9 +42,7 @@ def train(strategy, devices: int, schedule_steps: int = 4) -> tuple[GPT, dict]:
 @pytest.mark.timeout(300)
 def test_example_trains_like_one_process():
     reference, reference_metrics = train("auto", devices=1)
-    strategy = lightning_pipe.ElasticPipelineStrategy(
-        schedule="1f1b", num_microbatches=2, start_method="spawn"
-    )
+    strategy = lightning_pipe.ElasticPipelineStrategy(schedule="1f1b", num_microbatches=2, start_method="spawn")
     pipelined, metrics = train(strategy, devices=2)
     # The last step's loss is float64 in both runs: equal to 1e-10.
     torch.testing.assert_close(metrics["train_loss"], reference_metrics["train_loss"], rtol=0, atol=1e-10)
@@ -52,4 +50,4 @@ def test_example_trains_like_one_process():
     # parameters and receives the trained float64 values rounded to float32.
     expected = reference.state_dict()
     for name, value in pipelined.state_dict().items():
-        torch.testing.assert_close(value, expected[name].to(value.dtype), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, expected[name].to(value.dtype), msg=lambda m, name=name: f"{name}: {m}")
