@@ -17,7 +17,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -187,6 +187,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self.layout  # at `Trainer(...)`: pipeline_parallel_size must divide the process count
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                f"`{type(self).__name__}` does not support `precision='16-mixed'` (float16 with a gradient scaler) yet: "
+                "backward runs inside the pipelined step, where Lightning's scaler does not scale the loss, and "
+                "skipping a step on overflow would have to be agreed by every stage. Use `precision='bf16-mixed'`."
+            )
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = compat._SubprocessScriptLauncher(
@@ -253,7 +259,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.runner = StageRunner(module, stack)
         self.executor = PipelineExecutor(
             self.runner,
-            PointToPoint(self.groups.pipeline),
+            # autocast does not apply on the meta device: activations carry their real dtypes
+            PointToPoint(self.groups.pipeline, send_dtypes=isinstance(self.precision_plugin, MixedPrecision)),
             self.layout.pipeline_ranks(),
             self.layout.pipeline_rank,
             self.root_device,

@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.launchers import multiprocessing as lightning_multiprocessing
 from torch import nn
 
@@ -50,6 +51,14 @@ def test_pipeline_size_must_divide_the_process_count():
     strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, start_method="spawn")
     with pytest.raises(ValueError, match=r"`pipeline_parallel_size=2` must divide the number of processes \(3 "):
         L.Trainer(accelerator="cpu", devices=3, strategy=strategy)
+
+
+def test_float16_with_a_gradient_scaler_is_refused():
+    """fp16 AMP needs loss scaling inside the pipelined step and overflow decisions agreed by all stages."""
+    scaled = MixedPrecision("16-mixed", "cpu")  # on GPUs `precision="16-mixed"` gives this plugin
+    assert scaled.scaler is not None
+    with pytest.raises(ValueError, match=r"does not support `precision='16-mixed'`.*Use `precision='bf16-mixed'`"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=pipeline(2), plugins=[scaled])
 
 
 # --- the module: raised by trainer.fit before any process starts ------------------------------------
