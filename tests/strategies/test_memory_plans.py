@@ -1,0 +1,225 @@
+"""Memory plans change how a step keeps activations, never what it computes; budgets hold; predictions match."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pipe import ElasticPipelineStrategy
+from lightning_pipe.callbacks import MemoryPlanner
+from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
+from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory, predict_memory
+from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.runtime.memory import MemoryRuntime
+from lightning_pipe.runtime.memory_profile import measure_stages, probe_microbatches
+from lightning_pipe.runtime.microbatch import split_batch
+from lightning_pipe.schedules import resolve_schedule
+from lightning_pipe.strategies.memory import StrategyMemory, build_profile
+from tests.helpers.callbacks import RandomPlans
+from tests.helpers.loop import rank_files
+from tests.helpers.models import TinyGPT
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, reference_batches, token_batches
+
+MICROBATCHES = 4
+
+
+def _strategy(schedule: str = "1f1b", **kwargs) -> ElasticPipelineStrategy:
+    return ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=MICROBATCHES, schedule=schedule, partition="uniform",
+        start_method=START_METHOD, **kwargs,
+    )
+
+
+class RecordMemory(L.Callback):
+    """Every rank appends, per step: plan, measured saved peak, static bytes, predicted peaks, MLP chunk sizes."""
+
+    def __init__(self, directory, track: bool = False, profile: bool = False) -> None:
+        self.directory = directory
+        self.track = track
+        self.profile = profile
+        self.widths: list[int] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        trainer.strategy.memory.track = self.track
+        def record(module, args, output) -> None:
+            if not args[0].is_meta:  # real calls only (meta twins of other stages' blocks share the hook)
+                self.widths.append(int(args[0].shape[-2]))
+
+        for block in pl_module.blocks:
+            block.mlp[0].register_forward_hook(record)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        memory = trainer.strategy.memory
+        if self.profile and memory.profile is None:
+            memory.measure_profile(batch, (batch_idx,))
+        self.widths.clear()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        memory, rank = strategy.memory, strategy.layout.pipeline_rank
+        row = {
+            "batch": batch_idx,
+            "boundaries": list(strategy.boundaries),
+            "plan": memory.plan.to_dict(),
+            "measured": memory.last_step.peak_saved_bytes,
+            "static": memory.last_step.static_bytes,
+            "offloaded": memory.last_step.offloaded_tensors,
+            "reloaded": memory.last_step.reloaded_tensors,
+            "widths": sorted(set(self.widths)),
+        }
+        if memory.profile is not None:
+            shapes = memory.microbatch_shapes(batch)
+            args = (strategy.program, strategy.boundaries, shapes)
+            row["predicted"] = predict_memory(*args, memory.plan, memory.profile).saved_peak_bytes[rank]
+            row["none_peak"] = predict_memory(*args, MemoryPlan(), memory.profile).peak_bytes[rank]
+        with open(self.directory / f"rank{rank}.txt", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _records(directory) -> dict[int, list[dict]]:
+    return {rank: [json.loads(line) for line in text.splitlines()] for rank, text in rank_files(directory).items()}
+
+
+def _recomputed(plan: dict) -> int:
+    return sum((c["full"] or 0) + (c["keep_attention"] or 0) for c in plan["microbatches"].values())
+
+
+def _budget(batch, fraction: float = 0.5) -> tuple[int, float]:
+    """A budget between the full-recompute and no-recompute peaks of ``batch`` (1F1B, 2 uniform stages).
+
+    Measured here in one process with the same probe the strategy runs, so the test knows before the
+    run that the budget is below what the batch needs without recompute.
+    """
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4).double()
+    model.log = lambda *args, **kwargs: None
+    stack = find_blocks(model)
+    runner = StageRunner(model, stack)
+    first = split_batch(batch, MICROBATCHES)[0]
+    records = measure_stages(
+        runner, MemoryRuntime(stack.blocks, "cpu"), "training_step", [(p, 0) for p in probe_microbatches(first)],
+        [StageSpan(0, 0, 2, 4), StageSpan(1, 2, 4, 4)], list(model.parameters()), torch.device("cpu"),
+    )
+    profile = build_profile(records, model, analyze_units(model, stack), 4.0)  # AdamW: weight, grad, 2 moments
+    shapes = [profile.shape([batch.shape[1]] * (batch.shape[0] // MICROBATCHES))] * MICROBATCHES
+    program = resolve_schedule("1f1b").build(2, MICROBATCHES)
+    none = max(predict_memory(program, (0, 2, 4), shapes, MemoryPlan(), profile).peak_bytes)
+    full = max(predict_memory(program, (0, 2, 4), shapes, MemoryPlan.from_options("full"), profile).peak_bytes)
+    return int(full + fraction * (none - full)), none
+
+
+def test_every_mechanism_keeps_parity(tmp_path):
+    """Full, every-2nd, keep-attention, offload and chunked MLP, mixed per stage and microbatch."""
+    plan = MemoryPlan(
+        default=StageMemory(full=1, offload=1, mlp_chunk_size=4),
+        stages={1: StageMemory(keep_attention=1, offload=1, mlp_chunk_size=4)},
+        microbatches={(0, 2): StageMemory(full=None, every=2, mlp_chunk_size=4), (1, 3): StageMemory(keep_attention=None, mlp_chunk_size=3)},
+    )
+    batches = token_batches(3, batch_size=4, lengths=[9, 13, 11])
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    pipelined = fit(make, batches, _strategy(recompute=plan), devices=2, steps=3, callbacks=[RecordMemory(tmp_path)])
+    reference = fit(make, reference_batches(batches, 1), steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    records = _records(tmp_path)
+    for rank in (0, 1):
+        for row in records[rank]:
+            assert MemoryPlan.from_dict(row["plan"]) == plan
+            assert row["offloaded"] > 0 and row["reloaded"] >= row["offloaded"]  # offload really copied
+            assert max(row["widths"]) <= 4 < 9  # the MLPs really ran in chunks
+    assert 3 in records[1][0]["widths"]  # microbatch 3 of stage 1 used its own chunk size
+
+
+def test_plans_changing_every_batch_keep_parity(tmp_path):
+    """Random memory plans per batch on top of random partitions and schedules (zero-bubble included)."""
+
+    class RandomMemoryPlans(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            strategy = trainer.strategy
+            rng = random.Random(batch_idx)
+            split = strategy.schedule.name.startswith("zb")
+            modes = ["full", "offload"] + ([] if split else ["keep_attention"])
+            choices = {}
+            for stage in range(strategy.program.num_stages):
+                for mb in range(strategy.num_microbatches):
+                    counts = {mode: rng.randint(0, 2) for mode in modes}
+                    choices[(stage, mb)] = StageMemory(
+                        full=counts["full"], keep_attention=counts.get("keep_attention", 0), offload=counts["offload"],
+                        mlp_chunk_size=rng.choice([None, 3]),
+                    )
+            plan = MemoryPlan(microbatches=choices)
+            strategy.apply_plan(dataclasses.replace(strategy.plan, memory=plan.to_dict()))
+
+    layers = 8
+    batches = token_batches(4, batch_size=4, lengths=[5, 9, 7, 11])
+    make = lambda: TinyGPT(layers=layers).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=MICROBATCHES, start_method=START_METHOD)
+    callbacks = [RandomPlans(["1f1b", "zb_h1", "interleaved_1f1b", "gpipe"]), RandomMemoryPlans(), RecordMemory(tmp_path)]
+    pipelined = fit(make, batches, strategy, devices=2, steps=4, callbacks=callbacks)
+    reference = fit(make, reference_batches(batches, 1), steps=4)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    plans = [json.dumps(row["plan"], sort_keys=True) for row in _records(tmp_path)[0]]
+    assert len(set(plans)) == 4  # a different memory plan every batch
+
+
+def test_memory_planner_fits_a_budget_below_the_no_recompute_peak(tmp_path):
+    """Long batches need recompute, short ones not; parameters equal; the measured peak stays under the budget."""
+    batches = token_batches(3, batch_size=4, lengths=[16, 6, 16])
+    budget, none_peak = _budget(batches[0])
+    assert none_peak > budget
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    callbacks = [MemoryPlanner(budget=budget), RecordMemory(tmp_path)]
+    pipelined = fit(make, batches, _strategy(), devices=2, steps=3, callbacks=callbacks)
+    reference = fit(make, reference_batches(batches, 1), steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    records = _records(tmp_path)
+    for rank in (0, 1):
+        for row in records[rank]:
+            assert row["boundaries"] == [0, 2, 4]
+            assert row["static"] + row["measured"] <= budget  # accounted bytes within the budget
+            assert row["predicted"] == pytest.approx(row["measured"], rel=0.10)
+    long = [row for row in records[0] if row["none_peak"] > budget]
+    short = [row for row in records[0] if row["none_peak"] <= budget]
+    assert long and short
+    assert min(_recomputed(row["plan"]) for row in long) > max(_recomputed(row["plan"]) for row in short) == 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_predicted_saved_peak_matches_measured(tmp_path, schedule):
+    """Within 10% per rank, for a step without recompute and one with full recompute."""
+
+    class NoneThenFull(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            plan = MemoryPlan.from_options("full" if batch_idx % 2 else "none")
+            trainer.strategy.apply_plan(dataclasses.replace(trainer.strategy.plan, memory=plan.to_dict()))
+
+    batches = token_batches(2, batch_size=8, lengths=[24, 24])
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    fit(make, batches, _strategy(schedule), devices=2, steps=2, callbacks=[NoneThenFull(), RecordMemory(tmp_path, True, True)])
+    records = _records(tmp_path)
+    for rank in (0, 1):
+        without, with_recompute = records[rank]
+        assert _recomputed(with_recompute["plan"]) == 0  # counts of None mean "all blocks"
+        assert with_recompute["plan"]["default"]["full"] is None and without["plan"]["default"]["full"] == 0
+        assert with_recompute["measured"] < without["measured"] / 3
+        for row in (without, with_recompute):
+            assert row["predicted"] == pytest.approx(row["measured"], rel=0.10)
+
+
+def test_static_arguments_are_checked():
+    with pytest.raises(ValueError, match="recompute='auto'.*memory_budget"):
+        ElasticPipelineStrategy(recompute="auto")
+    with pytest.raises(ValueError, match="Cannot read the size"):
+        ElasticPipelineStrategy(memory_budget="lots")
+    with pytest.raises(ValueError, match="recompute='sometimes'"):
+        ElasticPipelineStrategy(recompute="sometimes")
+    strategy = ElasticPipelineStrategy(memory_budget="40GiB", recompute=2, offload=1, mlp_chunk_size=256)
+    assert strategy.memory.budget == 40 * 2**30
+    assert strategy.memory.static_plan.default == StageMemory(full=None, every=2, offload=1, mlp_chunk_size=256)
+    memory = StrategyMemory(recompute="keep_attention")
+    with pytest.raises(ValueError, match="zb_h1.*splits backward"):
+        memory.install(PipelinePlan((0, 2, 4), "zb_h1", 4), resolve_schedule("zb_h1").build(2, 4))
