@@ -26,9 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_pipe.schedules.costs import ActionCosts
 from lightning_pipe.schedules.ir import Action, ActionType, Program
-from lightning_pipe.schedules.simulate import TimedAction
 
 _SEND_TO_RECV = {ActionType.SEND_F: (ActionType.RECV_F, +1), ActionType.SEND_B: (ActionType.RECV_B, -1)}
 _RELEASE = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
@@ -139,43 +137,6 @@ def path_chain(program: Program, path: Sequence[Action]) -> Chain:
                 transfer[min(previous.stage, action.stage), action.microbatch] += 1
         previous = action
     return Chain(forward, backward, transfer, constant)
-
-
-def rank_end_chains(program: Program, events: Sequence[TimedAction], costs: ActionCosts) -> list[Chain]:
-    """For every rank, the chain of actions that made its last action end when it did.
-
-    Walks back from each rank's last event of a simulation: a receive that waited goes to its send,
-    anything else to the previous action of the same rank. Every chain equals its rank's finish time
-    for the simulated partition and is a lower bound on the step for any other, so one simulation
-    yields one bound per rank instead of only the critical path.
-    """
-    by_rank: list[list[TimedAction]] = [[] for _ in range(program.num_ranks)]
-    sends: dict[tuple[ActionType, int, int | None], tuple[int, int]] = {}
-    for event in events:
-        action = event.action
-        if action.type in _SEND_TO_RECV:
-            receive, step = _SEND_TO_RECV[action.type]
-            sends[(receive, action.stage + step, action.microbatch)] = (event.rank, len(by_rank[event.rank]))
-        by_rank[event.rank].append(event)
-    chains = []
-    for rank in range(program.num_ranks):
-        path: list[Action] = []
-        position: tuple[int, int] | None = (rank, len(by_rank[rank]) - 1) if by_rank[rank] else None
-        while position is not None:
-            r, i = position
-            event = by_rank[r][i]
-            path.append(event.action)
-            action = event.action
-            sender = sends.get((action.type, action.stage, action.microbatch))
-            if sender is not None:
-                boundary = min(action.stage, by_rank[sender[0]][sender[1]].action.stage)
-                arrival = by_rank[sender[0]][sender[1]].end + costs.transfer(boundary, action.microbatch)
-                if arrival > event.start:
-                    position = sender
-                    continue
-            position = (r, i - 1) if i > 0 else None
-        chains.append(path_chain(program, path[::-1]))
-    return chains
 
 
 @dataclass(frozen=True)

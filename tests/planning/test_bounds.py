@@ -5,7 +5,7 @@ import pytest
 
 from lightning_pipe.planning import random_partition
 from lightning_pipe.planning.batch_simulation import CompiledProgram
-from lightning_pipe.planning.bounds import ProgramAnalysis, path_chain, rank_end_chains
+from lightning_pipe.planning.bounds import ProgramAnalysis, path_chain
 from lightning_pipe.schedules import resolve_schedule, simulate
 from tests.planning.helpers import random_cost_model, random_microbatches
 
@@ -55,9 +55,7 @@ def test_chains_bound_every_partition_and_are_tight_where_found(family, num_rank
         result = simulate(program, costs)
         critical = path_chain(program, result.critical_path)
         assert chain_seconds(critical, costs) == pytest.approx(result.makespan, rel=1e-12)
-        ends = rank_end_chains(program, result.events, costs)
-        assert max(chain_seconds(c, costs) for c in ends) == pytest.approx(result.makespan, rel=1e-12)
-        found += [critical, *ends]
+        found.append(critical)
     for p in partitions:  # every chain, from any partition, bounds every partition
         costs = model.stage_costs(p, batch)
         makespan = simulate(program, costs).makespan
