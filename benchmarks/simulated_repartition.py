@@ -39,10 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from lightning_pipe.planning import (  # noqa: E402
+from lightning_pipe.planning import (
     CostModel,
     MicrobatchShape,
     StepPrediction,
@@ -197,22 +197,45 @@ def run_configuration(
 def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     console = Console(width=160)
     table = Table(title="Simulated throughput, 1F1B, tokens/s (higher is better)")
-    for column in ("trace", "model", "stages", "recompute", "elastic tok/s", "static tok/s", "uniform tok/s",
-                   "vs static", "vs uniform", "migrations", "migr. s", "plan ms (mean/max)", "OOM static/unif."):
+    for column in (
+        "trace",
+        "model",
+        "stages",
+        "recompute",
+        "elastic tok/s",
+        "static tok/s",
+        "uniform tok/s",
+        "vs static",
+        "vs uniform",
+        "migrations",
+        "migr. s",
+        "plan ms (mean/max)",
+        "OOM static/unif.",
+    ):
         table.add_column(column, justify="right")
     for row in rows:
         elastic, static, uniform = (row.throughput(p) for p in (row.elastic, row.static, row.uniform))
         planning = row.elastic.planning_seconds
         table.add_row(
-            row.trace, row.model, str(row.stages), "yes" if row.recompute else "no",
-            f"{elastic:,.0f}", f"{static:,.0f}", f"{uniform:,.0f}",
-            f"{elastic / static:.3f}x", f"{elastic / uniform:.3f}x",
-            f"{row.elastic.migrations}/{len(planning)}", f"{row.elastic.migration_seconds:.2f}",
+            row.trace,
+            row.model,
+            str(row.stages),
+            "yes" if row.recompute else "no",
+            f"{elastic:,.0f}",
+            f"{static:,.0f}",
+            f"{uniform:,.0f}",
+            f"{elastic / static:.3f}x",
+            f"{elastic / uniform:.3f}x",
+            f"{row.elastic.migrations}/{len(planning)}",
+            f"{row.elastic.migration_seconds:.2f}",
             f"{1e3 * sum(planning) / len(planning):.0f}/{1e3 * max(planning):.0f}",
             f"{row.static.out_of_memory_steps}/{row.uniform.out_of_memory_steps}",
         )
     console.print(table)
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
     console.print(
         f"mean speedup of elastic: {mean([r.throughput(r.elastic) / r.throughput(r.static) for r in rows]):.3f}x vs "
         f"static, {mean([r.throughput(r.elastic) / r.throughput(r.uniform) for r in rows]):.3f}x vs uniform"

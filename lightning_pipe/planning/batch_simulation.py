@@ -97,7 +97,9 @@ class CompiledProgram:
             elif action.type is ActionType.CUSTOM and event.end > event.start:
                 kind, seconds = _CONSTANT, event.end - event.start
             operations.append(
-                Operation(action, last[event.rank], sender, boundary, kind, action.stage, action.microbatch or 0, seconds)
+                Operation(
+                    action, last[event.rank], sender, boundary, kind, action.stage, action.microbatch or 0, seconds
+                )
             )
             last[event.rank] = index
         return cls(program, tuple(operations), tuple(last))

@@ -9,6 +9,7 @@ over **blocks**, never over units: ``pre`` (embeddings) always belongs to the fi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,10 +30,8 @@ def check_boundaries(boundaries: Sequence[int], num_blocks: int, num_stages: int
     if len(bounds) < 2:
         raise ValueError(f"`boundaries` needs at least 2 entries (one stage), got {list(bounds)}.")
     if bounds[0] != 0 or bounds[-1] != num_blocks:
-        raise ValueError(
-            f"`boundaries` must start at 0 and end at num_blocks={num_blocks}, got {list(bounds)}."
-        )
-    if any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"`boundaries` must start at 0 and end at num_blocks={num_blocks}, got {list(bounds)}.")
+    if any(b >= c for b, c in itertools.pairwise(bounds)):
         raise ValueError(
             f"`boundaries` must be strictly increasing (every stage owns at least one block), got {list(bounds)}."
         )

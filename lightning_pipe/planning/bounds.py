@@ -190,9 +190,7 @@ def _alive_moments(program: Program, rank: int) -> np.ndarray:
         key = (a.stage, a.microbatch)
         if a.microbatch is None:
             continue
-        if a.type is ActionType.FORWARD and training and key not in recomputed:
-            held.add(key)
-        elif a.type is ActionType.RECOMPUTE:
+        if (a.type is ActionType.FORWARD and training and key not in recomputed) or a.type is ActionType.RECOMPUTE:
             held.add(key)
         elif a.type in _RELEASE:
             held.discard(key)

@@ -296,7 +296,9 @@ class CostModel:
             ValueError: if ``data`` is not a cost-model profile of a known version.
         """
         if data.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"Not a cost-model profile: `format` is {data.get('format')!r}, expected {PROFILE_FORMAT!r}.")
+            raise ValueError(
+                f"Not a cost-model profile: `format` is {data.get('format')!r}, expected {PROFILE_FORMAT!r}."
+            )
         if data.get("version") != PROFILE_VERSION:
             raise ValueError(
                 f"Unsupported cost-model profile `version` {data.get('version')!r}; this code reads {PROFILE_VERSION}."

@@ -117,7 +117,7 @@ def fit_linear_cost(
         raise ValueError(f"`shapes` has {len(shapes)} samples but `values` has {len(measured)}.")
     if not 0.0 <= holdout_fraction < 1.0:
         raise ValueError(f"`holdout_fraction` must be in [0, 1), got {holdout_fraction}.")
-    num_held_out = int(round(len(measured) * holdout_fraction))
+    num_held_out = round(len(measured) * holdout_fraction)
     if holdout_fraction > 0 and len(measured) > MIN_FIT_SAMPLES:
         num_held_out = max(1, num_held_out)
     if len(measured) - num_held_out < MIN_FIT_SAMPLES:
@@ -165,7 +165,9 @@ def fit_unit_cost(
         ValueError: as :func:`fit_linear_cost`, or if only some samples measure saved bytes.
     """
     shapes = [s.shape for s in samples]
-    forward = fit_linear_cost(shapes, [s.forward_seconds for s in samples], holdout_fraction=holdout_fraction, seed=seed)
+    forward = fit_linear_cost(
+        shapes, [s.forward_seconds for s in samples], holdout_fraction=holdout_fraction, seed=seed
+    )
     backward = fit_linear_cost(
         shapes, [s.backward_seconds for s in samples], holdout_fraction=holdout_fraction, seed=seed
     )

@@ -81,7 +81,13 @@ def gpt_cost_model(
     saved_per_token = default_saved if activation_bytes_per_token is None else float(activation_bytes_per_token)
 
     def unit(
-        name: str, token_flops: float, square_flops: float, params: float, saved: LinearCost, out: float, recompute: bool = False
+        name: str,
+        token_flops: float,
+        square_flops: float,
+        params: float,
+        saved: LinearCost,
+        out: float,
+        recompute: bool = False,
     ) -> UnitCost:
         factor = 3.0 if recompute else 2.0
         return UnitCost(

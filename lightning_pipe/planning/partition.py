@@ -30,12 +30,13 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from lightning_pipe.planning.batch_simulation import CompiledProgram
 from lightning_pipe.planning.boundaries import (
     balanced_partition,
     check_boundaries,
@@ -43,18 +44,17 @@ from lightning_pipe.planning.boundaries import (
     random_partition,
     uniform_partition,
 )
-from lightning_pipe.planning.batch_simulation import CompiledProgram
 from lightning_pipe.planning.bounds import Chain, ProgramAnalysis, path_chain
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.schedules import Program, resolve_schedule, simulate
 
 __all__ = [
     "PartitionPlan",
-    "plan_partition",
-    "evaluate_partition",
-    "uniform_partition",
     "balanced_partition",
+    "evaluate_partition",
+    "plan_partition",
     "random_partition",
+    "uniform_partition",
 ]
 
 logger = logging.getLogger(__name__)
@@ -156,8 +156,13 @@ class _Search:
     rows at once.
     """
 
-    def __init__(self, cost_model: CostModel, microbatches: Sequence[MicrobatchShape], analysis: _Analysis,
-                 memory_limit: float | None) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        microbatches: Sequence[MicrobatchShape],
+        analysis: _Analysis,
+        memory_limit: float | None,
+    ) -> None:
         self.cost_model = cost_model
         self.microbatches = list(microbatches)
         self.analysis = analysis.bounds
@@ -332,7 +337,7 @@ class _Search:
             node, end = node[order], end[order]
             children = (end, values[node, :, end], np.concatenate([prefix[node], end[:, None]], axis=1))
             for start in range(((len(node) - 1) // chunk) * chunk, -1, -chunk):  # best chunk on top
-                stack.append((s + 1, *(part[start:start + chunk] for part in children)))
+                stack.append((s + 1, *(part[start : start + chunk] for part in children)))
         return found[np.argsort(found_bounds, kind="stable")]
 
     def seeds(self, candidates: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:

@@ -66,7 +66,9 @@ class LengthTrace:
         return np.array([length for batch in self.batches for length in batch], dtype=np.int64)
 
 
-def _truncated_lognormal(rng: np.random.Generator, size: int, median: float, sigma: float, low: float, high: float) -> np.ndarray:
+def _truncated_lognormal(
+    rng: np.random.Generator, size: int, median: float, sigma: float, low: float, high: float
+) -> np.ndarray:
     mu = math.log(median)
     lower, upper = ndtr((math.log(low) - mu) / sigma), ndtr((math.log(high) - mu) / sigma)
     return np.exp(mu + sigma * ndtri(rng.uniform(lower, upper, size)))
@@ -177,7 +179,7 @@ def flan_like_trace(num_batches: int, batch_size: int = 32, seed: int = 0, max_l
         raise ValueError(f"`num_batches` must be >= 1, got {num_batches}.")
     rng = np.random.default_rng(seed)
     lengths = sample_flan_lengths(num_batches * batch_size, rng, batch_size=batch_size, max_length=max_length)
-    batches = tuple(tuple(int(v) for v in lengths[i * batch_size:(i + 1) * batch_size]) for i in range(num_batches))
+    batches = tuple(tuple(int(v) for v in lengths[i * batch_size : (i + 1) * batch_size]) for i in range(num_batches))
     return LengthTrace("flan", seed, batches)
 
 

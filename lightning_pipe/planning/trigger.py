@@ -148,7 +148,9 @@ def decide_repartition(
         return decision(True, "mode 'always'")
     if config.mode == "interval":
         due = step % config.interval == 0
-        return decision(due, f"mode 'interval': step {step} {'is' if due else 'is not'} a multiple of {config.interval}")
+        return decision(
+            due, f"mode 'interval': step {step} {'is' if due else 'is not'} a multiple of {config.interval}"
+        )
     gain = predicted_gain(coming, recent, config.horizon_steps)
     needed = migration_seconds * (1.0 + config.margin)
     if gain > needed and gain > 0:

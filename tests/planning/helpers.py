@@ -7,7 +7,9 @@ import numpy as np
 from lightning_pipe.planning import CostModel, LinearCost, MicrobatchShape, UnitCost
 
 
-def random_cost_model(rng: np.random.Generator, num_blocks: int, latency: float = 1e-5, bandwidth: float = 1e9) -> CostModel:
+def random_cost_model(
+    rng: np.random.Generator, num_blocks: int, latency: float = 1e-5, bandwidth: float = 1e9
+) -> CostModel:
     """A model whose units all cost differently (so partitions are not interchangeable)."""
     units = []
     for index in range(num_blocks + 2):

@@ -3,7 +3,13 @@ import itertools
 import numpy as np
 import pytest
 
-from lightning_pipe.planning import balanced_partition, check_boundaries, random_partition, uniform_partition, unit_ranges
+from lightning_pipe.planning import (
+    balanced_partition,
+    check_boundaries,
+    random_partition,
+    uniform_partition,
+    unit_ranges,
+)
 
 
 def test_uniform_partition_spreads_the_remainder():
@@ -20,6 +26,14 @@ def test_partitions_reject_impossible_counts(blocks, stages, match):
         random_partition(blocks, stages, 0)
 
 
+def heaviest(bounds, weights, first, last):
+    """Largest stage weight of a partition, with ``first``/``last`` charged to the end stages."""
+    loads = [weights[bounds[s] : bounds[s + 1]].sum() for s in range(len(bounds) - 1)]
+    loads[0] += first
+    loads[-1] += last
+    return max(loads)
+
+
 def test_balanced_partition_is_the_min_max_by_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -27,15 +41,9 @@ def test_balanced_partition_is_the_min_max_by_brute_force():
         stages = int(rng.integers(1, min(4, len(weights)) + 1))
         first, last = rng.uniform(0, 10, 2)
         bounds = balanced_partition(weights, stages, first_weight=first, last_weight=last)
-
-        def heaviest(b):
-            loads = [weights[b[s]:b[s + 1]].sum() for s in range(stages)]
-            loads[0] += first
-            loads[-1] += last
-            return max(loads)
-
         every = [(0, *c, len(weights)) for c in itertools.combinations(range(1, len(weights)), stages - 1)]
-        assert heaviest(bounds) == pytest.approx(min(heaviest(b) for b in every))
+        loads = [heaviest(b, weights, first, last) for b in every]
+        assert heaviest(bounds, weights, first, last) == pytest.approx(min(loads))
 
 
 def test_balanced_partition_charges_pre_and_post():

@@ -15,8 +15,12 @@ FAMILIES = [("1f1b", 3), ("gpipe", 2), ("interleaved_1f1b", 2), ("zb_h1", 3), ("
 def chain_seconds(chain, costs):
     """A chain's length under ``costs`` (``I``/``W`` as half a backward, as the simulator charges)."""
     forward, backward = np.array(costs.forward), np.array(costs.backward)
-    transfer = np.array([[costs.transfer(s, m) for m in range(costs.num_microbatches)] for s in range(costs.num_stages)])
-    return float((chain.forward * forward).sum() + (chain.backward * backward).sum() + (chain.transfer * transfer).sum())
+    transfer = np.array(
+        [[costs.transfer(s, m) for m in range(costs.num_microbatches)] for s in range(costs.num_stages)]
+    )
+    return float(
+        (chain.forward * forward).sum() + (chain.backward * backward).sum() + (chain.transfer * transfer).sum()
+    )
 
 
 def sampled(family, num_ranks, seed):

@@ -47,11 +47,15 @@ def test_stage_costs_sum_units_with_pre_on_first_and_post_on_last(rng):
         # Stage 0 sends the output of block 1 (unit 2); the last stage sends nothing.
         assert costs.activation_bytes[0][mb] == pytest.approx(units[2].output_bytes_per_token * shape.tokens)
         assert costs.activation_bytes[1][mb] == 0.0
-    assert costs.static_bytes == pytest.approx((sum(u.static_bytes for u in units[0:3]), sum(u.static_bytes for u in units[3:])))
+    assert costs.static_bytes == pytest.approx(
+        (sum(u.static_bytes for u in units[0:3]), sum(u.static_bytes for u in units[3:]))
+    )
     assert (costs.latency, costs.bandwidth) == (model.latency, model.bandwidth)
 
 
-@pytest.mark.parametrize(("boundaries", "match"), [([0, 3], "end at num_blocks=5"), ([0, 3, 3, 5], "strictly increasing")])
+@pytest.mark.parametrize(
+    ("boundaries", "match"), [([0, 3], "end at num_blocks=5"), ([0, 3, 3, 5], "strictly increasing")]
+)
 def test_stage_costs_rejects_bad_partitions(rng, boundaries, match):
     model = random_cost_model(rng, num_blocks=5)
     with pytest.raises(ValueError, match=match):

@@ -27,7 +27,7 @@ def simulate_alternating(config, recent_window, steps=60, migration_seconds=0.3)
     current, migrations = "A", 0
     for step, kind in enumerate(kinds):
         candidate = best[kind]
-        past = kinds[max(0, step - recent_window):step] if recent_window else []
+        past = kinds[max(0, step - recent_window) : step] if recent_window else []
         decision = decide_repartition(
             config,
             step,
