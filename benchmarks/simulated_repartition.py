@@ -88,6 +88,7 @@ class Row:
     uniform: PolicyResult
 
     def throughput(self, policy: PolicyResult) -> float:
+        """Real tokens per simulated second of ``policy`` over the trace."""
         return self.tokens / policy.seconds
 
 
@@ -116,6 +117,7 @@ class Evaluator:
 
 
 def run_static(evaluate: Evaluator, boundaries: tuple[int, ...], limit: float) -> PolicyResult:
+    """One partition for every batch; steps above ``limit`` bytes are counted as out of memory."""
     result = PolicyResult()
     for index in range(len(evaluate.batches)):
         seconds, peak = evaluate(boundaries, index)
@@ -127,6 +129,7 @@ def run_static(evaluate: Evaluator, boundaries: tuple[int, ...], limit: float) -
 def run_elastic(
     evaluate: Evaluator, limit: float, config: TriggerConfig, recent_steps: int, bandwidth: float, gap: float
 ) -> PolicyResult:
+    """Plan every batch exactly; migrate when the trigger says so (cost added to that step)."""
     model, stages = evaluate.model, evaluate.stages
     result = PolicyResult()
     current: tuple[int, ...] | None = None
@@ -163,12 +166,14 @@ def run_elastic(
 
 
 def longest_batch(batches: list[tuple[int, ...]]) -> int:
+    """Index of the batch holding the longest sequence (ties: more tokens)."""
     return max(range(len(batches)), key=lambda i: (max(batches[i]), sum(batches[i])))
 
 
 def run_configuration(
     trace: str, lengths: list[tuple[int, ...]], model_name: str, stages: int, args: argparse.Namespace
 ) -> Row:
+    """One (trace, model, stages) row: plan the static partition, run the three policies."""
     limit = args.memory_gib * GIB
     batches = [split_microbatches(batch, args.microbatches_per_stage * stages) for batch in lengths]
     longest = batches[longest_batch(lengths)]
@@ -195,6 +200,7 @@ def run_configuration(
 
 
 def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
+    """Print the table and how the benchmark was run."""
     console = Console(width=160)
     table = Table(title="Simulated throughput, 1F1B, tokens/s (higher is better)")
     for column in (
@@ -249,6 +255,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse the options, run every configuration, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=32, help="batches per trace (run time is about linear)")
     parser.add_argument("--seed", type=int, default=0)
