@@ -62,7 +62,7 @@ class PipelineMultiProcessingLauncher(_Launcher):
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None and trainer.lightning_module is not None:
-            self._strategy.validate_module(trainer.lightning_module)
+            self._strategy.validate_module(trainer.lightning_module, fitting=trainer.state.fn == TrainerFn.FITTING)
         results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
         return results.load() if isinstance(results, _ResultBytes) else results
 

@@ -216,7 +216,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.validate_module(self.lightning_module)
+        self.validate_module(self.lightning_module, fitting=trainer.state.fn == TrainerFn.FITTING)
         self.model = self.precision_plugin.convert_module(self.model)
         self._shard(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -225,18 +225,22 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         install_global_norm_clipping(self.precision_plugin, self._global_gradient_norm)
 
-    def validate_module(self, module: Any) -> None:
+    def validate_module(self, module: Any, fitting: bool = True) -> None:
         """Raise the configuration errors that need only the module (no process group, no data).
 
         The spawn/fork launcher calls this in the main process before starting any process, and
         ``setup`` on every rank. The block stack is checked here only if the module does not build
         layers in ``configure_model`` (before setup they may not exist yet; ``setup`` checks then).
 
+        Args:
+            module: the user's LightningModule.
+            fitting: ``trainer.fit`` (manual optimization only matters there).
+
         Raises:
             ValueError: manual optimization, no block stack, more stages than blocks, or a
                 ``partition`` that does not fit the blocks.
         """
-        if not module.automatic_optimization:
+        if fitting and not module.automatic_optimization:
             raise ValueError(
                 f"`{type(self).__name__}` does not support manual optimization (`automatic_optimization = False`) "
                 f"in `{type(module).__name__}`: the pipeline runs backward inside the step. Use automatic optimization."

@@ -145,3 +145,10 @@ def test_step_errors_stop_every_rank(make, strategy, message):
     with pytest.raises(Exception, match=message):
         run(lambda: make().double(), BATCHES, strategy, devices=2, max_steps=4)
     assert time.monotonic() - start < 90
+
+
+def test_manual_optimization_is_fine_for_evaluation():
+    """Only fitting needs automatic optimization; validate/test/predict run forward-only pipelines."""
+    pipeline(2).validate_module(ManualGPT(), fitting=False)
+    with pytest.raises(ValueError, match="manual optimization"):
+        pipeline(2).validate_module(ManualGPT(), fitting=True)
