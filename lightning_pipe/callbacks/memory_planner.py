@@ -36,6 +36,7 @@ class MemoryPlanner(L.Callback):
         host_bandwidth: device-host bytes per second, for offload stalls.
         cost_model: a :class:`~lightning_pipe.planning.cost_model.CostModel` for seconds; default: flop
             counts from the probe.
+        time_limit: seconds the MILP solver may take per batch (its best plan so far is used after).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class MemoryPlanner(L.Callback):
         lengths: Callable[[Any], Sequence[int]] | None = None,
         host_bandwidth: float = 25e9,
         cost_model: Any = None,
+        time_limit: float = 10.0,
     ) -> None:
         unknown = set(options) - {FULL, KEEP_ATTENTION, OFFLOAD}
         if unknown:
@@ -62,6 +64,7 @@ class MemoryPlanner(L.Callback):
         self.lengths = lengths
         self.host_bandwidth = host_bandwidth
         self.cost_model = cost_model
+        self.time_limit = time_limit
         self.results: list[MemoryPlanResult] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -82,6 +85,7 @@ class MemoryPlanner(L.Callback):
         result = strategy.memory.plan_batch(
             batch, (batch_idx,), self.budget, lengths=self.lengths, options=self.options, method=self.method,
             objective=self.objective, host_bandwidth=self.host_bandwidth, cost_model=self.cost_model,
+            time_limit=self.time_limit,
         )
         self.results.append(result)
         strategy.apply_plan(dataclasses.replace(strategy.plan, memory=result.plan.to_dict()))

@@ -54,7 +54,7 @@ from lightning_pipe.schedules.ir import ActionType, Program
 from lightning_pipe.schedules.lowering import message_of
 from lightning_pipe.schedules.simulate import simulate
 
-__all__ = ["MemoryBudgetError", "MemoryPlanResult", "plan_memory", "plan_greedy", "profile_cost_model"]
+__all__ = ["MemoryBudgetError", "MemoryPlanResult", "plan_memory", "plan_greedy", "profile_cost_model", "step_seconds"]
 
 _OPTIONS = (FULL, KEEP_ATTENTION, OFFLOAD)
 
@@ -329,27 +329,44 @@ def plan_greedy(problem: _Problem, start: dict[str, np.ndarray] | None = None) -
         _, room, window, pair, forward = worst
         before = _event_bytes(problem, counts, window, pair, forward)
         best = None
+        tiny = 1e-12 * max(float(problem.forward.max()), 1e-30)
         for s, m in window:
-            used = sum(counts[o][s, m] for o in _OPTIONS)
-            if used >= problem.blocks[s]:
-                continue
-            for o in problem.options:
-                if problem.gain[o][s, m] <= 0:
-                    continue
-                counts[o][s, m] += 1
+            room = int(problem.blocks[s] - sum(counts[o][s, m] for o in _OPTIONS))
+            # moves: blocks into option ``to`` (one, or all that are left), or blocks moved from ``away``
+            # to a more saving ``to`` (one, or all); "all" crosses the one-block transient's threshold
+            moves = [(None, o, k) for o in problem.options if problem.gain[o][s, m] > 0 for k in {1, room} if 0 < k <= room]
+            moves += [
+                (away, to, k) for away in problem.options for to in problem.options
+                if problem.gain[to][s, m] > problem.gain[away][s, m]
+                for k in {1, int(counts[away][s, m])} if 0 < k <= counts[away][s, m]
+            ]
+            for away, to, k in moves:
+                counts[to][s, m] += k
+                if away is not None:
+                    counts[away][s, m] -= k
                 relief = before - _event_bytes(problem, counts, window, pair, forward)
-                counts[o][s, m] -= 1
-                cost = problem.seconds[o][s, m] + (problem.offload_forward_stall[s, m] if o == OFFLOAD else 0.0)
+                if away is not None:
+                    counts[away][s, m] += k
+                counts[to][s, m] -= k
                 if relief <= 0:
                     continue
-                score = relief / max(cost, 1e-12 * max(problem.forward.max(), 1e-30))
+                cost = k * (_move_seconds(problem, to, s, m) - (_move_seconds(problem, away, s, m) if away else 0.0))
+                score = relief / max(cost, tiny)
                 if best is None or score > best[0]:
-                    best = (score, o, s, m)
+                    best = (score, away, to, k, s, m)
         if best is None:
             return None
-        _, o, s, m = best
-        counts[o][s, m] += 1
+        _, away, to, k, s, m = best
+        counts[to][s, m] += k
+        if away is not None:
+            counts[away][s, m] -= k
     return None
+
+
+def _move_seconds(problem: _Problem, option: str, s: int, m: int) -> float:
+    """Seconds one block in ``option`` adds to (stage, microbatch)."""
+    seconds = problem.seconds[option][s, m] * (2.0 if problem.split_backward and option != OFFLOAD else 1.0)
+    return seconds + (problem.offload_forward_stall[s, m] if option == OFFLOAD else 0.0)
 
 
 # --- MILP ----------------------------------------------------------------------------------------
@@ -400,13 +417,15 @@ def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_lim
         lower.append(lo)
         upper.append(hi)
 
+    # memory rows in units of the budget (bytes ~1e10 next to seconds ~1 would strain the solver's tolerances)
+    unit = max(problem.budget, 1.0)
     big = float(problem.blocks.max())
     for s in range(S):
         for m in range(M):
             add({count_var[(o, s, m)]: 1.0 for o in options}, -np.inf, problem.blocks[s])
             for o in options:
                 add({count_var[(o, s, m)]: 1.0, indicator[(o, s, m)]: -big}, -np.inf, 0.0)
-                add({transient[(s, m)]: 1.0, indicator[(o, s, m)]: -problem.transient[o][s, m]}, 0.0, np.inf)
+                add({transient[(s, m)]: 1.0, indicator[(o, s, m)]: -problem.transient[o][s, m] / unit}, 0.0, np.inf)
     for rank in range(program.num_ranks):
         static = sum(problem.static_stage[s] for s in program.stages_of(rank))
         for window, (ps, pm), forward in _windows(program, rank):
@@ -416,14 +435,15 @@ def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_lim
                 constant += problem.base[s, m]
                 for o in options:
                     c = count_var[(o, s, m)]
-                    terms[c] = terms.get(c, 0.0) - problem.gain[o][s, m]
+                    terms[c] = terms.get(c, 0.0) - problem.gain[o][s, m] / unit
             if forward:
                 if OFFLOAD in options:
                     c = indicator[(OFFLOAD, ps, pm)]
-                    terms[c] = terms.get(c, 0.0) + problem.gain[OFFLOAD][ps, pm]
+                    terms[c] = terms.get(c, 0.0) + problem.gain[OFFLOAD][ps, pm] / unit
             else:
                 terms[transient[(ps, pm)]] = terms.get(transient[(ps, pm)], 0.0) + 1.0
-            add(terms, -np.inf, problem.budget - static - constant)
+            # a hair under the budget: HiGHS may violate rows by its feasibility tolerance (1e-7)
+            add(terms, -np.inf, (problem.budget - static - constant) / unit - 1e-6)
 
     cost = np.zeros(n)
     recompute_weight = {}
@@ -503,6 +523,34 @@ def _diagonal_index(program: Program) -> dict[tuple[int, int], int]:
         for k, action in enumerate(order):
             index[(action.stage, action.microbatch)] = k + program.num_stages - 1 - action.stage
     return index
+
+
+def step_seconds(
+    program: Program,
+    boundaries: Sequence[int],
+    shapes: Sequence[MicrobatchShape],
+    profile: MemoryProfile,
+    plan: MemoryPlan,
+    *,
+    cost_model: CostModel | None = None,
+    host_bandwidth: float = 25e9,
+) -> float:
+    """Simulated step seconds of ``program`` under any ``plan`` (recompute and offload stalls included).
+
+    Per (stage, microbatch) the plan's block modes are counted; each recomputed block adds the
+    planner's per-block seconds to the backward (twice with split backward), each offloaded block
+    its stall (as in :func:`plan_memory`).
+    """
+    problem = _problem(
+        program, boundaries, shapes, profile, math.inf, cost_model, _OPTIONS, host_bandwidth, None, None
+    )
+    counts = _zero_counts(problem)
+    for s in range(program.num_stages):
+        for m in range(len(shapes)):
+            for mode in plan.choice(s, m).block_modes(int(problem.blocks[s])):
+                if mode != NONE:
+                    counts[mode][s, m] += 1
+    return problem.step_seconds(counts)
 
 
 # --- entry point ---------------------------------------------------------------------------------

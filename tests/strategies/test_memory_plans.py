@@ -210,6 +210,20 @@ def test_predicted_saved_peak_matches_measured(tmp_path, schedule):
             assert row["predicted"] == pytest.approx(row["measured"], rel=0.10)
 
 
+def test_auto_plan_is_chosen_once_under_the_budget(tmp_path):
+    """`recompute="auto"`: the first batch's fastest fitting plan, kept for every batch (a static plan)."""
+    batches = token_batches(2, batch_size=4, lengths=[16, 16])
+    budget, none_peak = _budget(batches[0])
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    strategy = _strategy(memory_budget=budget, recompute="auto")
+    fit(make, batches, strategy, devices=2, steps=2, callbacks=[RecordMemory(tmp_path)])
+    records = _records(tmp_path)
+    for rank in (0, 1):
+        first, second = records[rank]
+        assert first["plan"] == second["plan"] and _recomputed(first["plan"]) > 0
+        assert all(row["static"] + row["measured"] <= budget < none_peak for row in (first, second))
+
+
 def test_static_arguments_are_checked():
     with pytest.raises(ValueError, match="recompute='auto'.*memory_budget"):
         ElasticPipelineStrategy(recompute="auto")
