@@ -10,6 +10,8 @@ LightningDataModule); ``trainer.strategy`` is ``elastic_pipe`` or
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
@@ -18,7 +20,13 @@ import lightning_pipe  # noqa: F401  (registers "elastic_pipe")
 
 
 def main(args: Any = None) -> LightningCLI:
-    """Run the CLI (``args``: argument list or dict; None reads ``sys.argv``)."""
+    """Run the CLI (``args``: argument list or dict; None reads ``sys.argv``).
+
+    The working directory goes on the import path, as with ``python -m``, so that ``class_path``
+    entries name the project's own modules (``examples.gpt.model.GPT``) from the installed command too.
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return LightningCLI(
         args=args,
         subclass_mode_model=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,16 @@ def test_print_config_round_trips(config, tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert yaml.safe_load(second.stdout) == yaml.safe_load(first.stdout)
     assert yaml.safe_load(first.stdout)["trainer"]["strategy"]["class_path"] == "lightning_pipe.ElasticPipelineStrategy"
+
+
+@pytest.mark.skipif(shutil.which("lightning-pipe") is None, reason="package not installed (pip install -e .)")
+def test_installed_command_resolves_project_modules():
+    result = subprocess.run(
+        ["lightning-pipe", "fit", "--config", "examples/gpt/configs/cpu_2stage.yaml", "--print_config"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert yaml.safe_load(result.stdout)["model"]["class_path"] == "examples.gpt.model.GPT"
 
 
 def test_fit_runs_a_config_on_two_processes(tmp_path):
