@@ -1,0 +1,813 @@
+"""What every unit of an unchanged module costs, measured from the module's own step function.
+
+Two probes share one mechanism, :class:`UnitTracker`: forward pre-hooks and forward hooks on the
+blocks tell which unit (``pre``, a block, ``post``) the user's step is running, and gradient hooks
+on the blocks' inputs and outputs tell which unit backward has reached. Nothing is asked of the user.
+
+* :func:`count_units` runs the step on the **meta device** (parameters and the batch swapped for
+  meta tensors; nothing is allocated, any shape can be probed). Per unit, forward and backward: the
+  FLOPs of every ATen op (``torch.utils.flop_counter``'s formulas), the bytes it reads and writes,
+  the number of ops, and the bytes autograd saves for backward (``saved_tensors_hooks``; parameters
+  and the batch are not activations; a storage counts once, for the unit that saved it first: the
+  same rule as ``memory_accounting``). Seconds come from an assumed :class:`DeviceSpeed` (a roofline
+  per op plus a fixed overhead per op), not from a clock.
+* :func:`time_units` runs the stages of one rank for real and times every unit's forward and
+  backward with the same hooks (the profiler).
+
+On meta, ``scaled_dot_product_attention`` would take the math path and save the ``[B, H, T, T]``
+attention matrix; real devices run a fused kernel that saves ``q, k, v``, the output and a
+log-sum-exp. The meta probe therefore routes it to the CPU flash kernel when a CPU would use it
+(no dropout, equal head sizes, no grouped-query expansion): its saved tensors are those of flash
+and memory-efficient attention on CUDA too. Autocast does not apply on the meta device: under
+mixed precision, saved bytes are counted in the parameters' dtype (an overestimate).
+
+Lengths follow the batch: a probe microbatch has ``num_sequences`` samples of ``length`` positions
+of its token tensor (``sequence_lengths``). When the blocks see fewer positions than the batch holds
+(ids ``[B, T + 1]`` feed ``T``), :attr:`UnitCount.positions` records it and
+:func:`fit_cost_model` fits in the positions the blocks see (``length_offset``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.optimize import nnls
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from lightning_pipe.model.blocks import BlockStack
+from lightning_pipe.model.stage_runner import StageRunner, StageSpan
+from lightning_pipe.model.units import UnitLayout
+from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
+from lightning_pipe.planning.fit import TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
+from lightning_pipe.runtime.memory_profile import _token_tensor, _untouched
+
+__all__ = [
+    "DeviceSpeed",
+    "UnitCount",
+    "UnitTiming",
+    "CostEstimate",
+    "UnitTracker",
+    "resize_microbatch",
+    "count_units",
+    "time_units",
+    "fit_cost_model",
+    "fit_timings",
+]
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """An assumed device, to turn counted work into seconds without running anything.
+
+    An op costs ``max(flops / flops_per_second, bytes / memory_bandwidth) + op_overhead`` (a
+    roofline plus the fixed cost of dispatching one eager op). Only ratios between units matter to
+    the partition planner; absolute seconds matter when the repartition trigger compares a gain
+    with a measured migration, which is why :class:`~lightning_pipe.callbacks.ElasticRepartition`
+    rescales predictions by measured step times.
+
+    Attributes:
+        flops_per_second: sustained FLOP/s of matrix products.
+        memory_bandwidth: bytes per second of elementwise ops.
+        op_overhead: seconds per op (dispatch, kernel launch).
+    """
+
+    flops_per_second: float
+    memory_bandwidth: float
+    op_overhead: float
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> DeviceSpeed:
+        """Defaults: CPU 50 GFLOP/s, 10 GB/s, 5 us per op (a few cores in float32); CUDA 150 TFLOP/s,
+        1.5 TB/s, 10 us per op (an A100/H100-class GPU in 16-bit at about half of peak)."""
+        if torch.device(device).type == "cuda":
+            return cls(150e12, 1.5e12, 10e-6)
+        return cls(50e9, 10e9, 5e-6)
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        """Seconds of one op doing ``flops`` and moving ``nbytes``."""
+        return max(flops / self.flops_per_second, nbytes / self.memory_bandwidth) + self.op_overhead
+
+
+@dataclass(frozen=True)
+class UnitCount:
+    """What one unit did on one probe microbatch (meta device).
+
+    Attributes:
+        unit: 0 for ``pre``, ``1 + i`` for block ``i``, ``num_blocks + 1`` for ``post``.
+        num_sequences: samples in the probe microbatch.
+        length: positions per sample of the probe's token tensor.
+        positions: positions per sample the blocks process (dimension -2 of a block's input).
+        forward_flops: FLOPs of the unit's forward ops.
+        backward_flops: FLOPs of its backward ops.
+        forward_seconds: assumed seconds of its forward (:class:`DeviceSpeed`).
+        backward_seconds: assumed seconds of its backward.
+        num_forward_ops: ATen ops in its forward.
+        saved_bytes: bytes autograd keeps from its forward for backward.
+        output_bytes: bytes of the tensors the unit hands on (a block's output; 0 for ``post``).
+    """
+
+    unit: int
+    num_sequences: int
+    length: int
+    positions: int
+    forward_flops: float
+    backward_flops: float
+    forward_seconds: float
+    backward_seconds: float
+    num_forward_ops: int
+    saved_bytes: int
+    output_bytes: int
+
+
+@dataclass(frozen=True)
+class UnitTiming:
+    """Measured seconds of one unit on one probe microbatch (real device).
+
+    Attributes:
+        unit: unit index (``pre`` is 0).
+        num_sequences: samples in the microbatch.
+        length: positions per sample of the token tensor.
+        positions: positions per sample the blocks process.
+        forward_seconds: median forward seconds over the repeats.
+        backward_seconds: median backward seconds over the repeats.
+    """
+
+    unit: int
+    num_sequences: int
+    length: int
+    positions: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """A cost model and how to read batches for it.
+
+    Attributes:
+        cost_model: per-unit costs for the planner.
+        length_offset: positions per sample the batch holds beyond what the blocks process;
+            :meth:`shape` removes it (1 when ids ``[B, T + 1]`` feed ``T`` positions).
+        source: ``"meta"`` (counted), ``"profile"`` (timed), or ``"given"``.
+        fits: the per-unit fits behind a timed model (empty otherwise).
+    """
+
+    cost_model: CostModel
+    length_offset: int = 0
+    source: str = "given"
+    fits: tuple[UnitFit, ...] = ()
+
+    def shape(self, lengths: Sequence[int]) -> MicrobatchShape:
+        """The shape the units see for samples of the batch's ``lengths``."""
+        return MicrobatchShape.from_lengths([max(1, int(n) - self.length_offset) for n in lengths])
+
+    def to_dict(self) -> dict:
+        """The cost model's JSON profile plus ``length_offset`` (``CostModel.load`` reads it too)."""
+        return {**self.cost_model.to_dict(), "length_offset": self.length_offset, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostEstimate:
+        """Inverse of :meth:`to_dict`; a plain ``CostModel`` profile gets ``length_offset`` 0."""
+        return cls(CostModel.from_dict(data), int(data.get("length_offset", 0)), str(data.get("source", "given")))
+
+
+# --- which unit is running --------------------------------------------------------------------
+
+
+class UnitTracker:
+    """Tracks the unit running in forward and in backward, from hooks on the blocks.
+
+    Forward: ``pre`` until block 0 starts, block ``i`` from its start until the next block starts
+    (code between blocks counts for the block before), ``post`` after the last block returns.
+    Backward: starts in ``start_unit`` (``post``, or the last block of a stage that is not last);
+    when the gradient of block ``i``'s output is complete, block ``i``'s backward begins; when the
+    gradient of block ``i``'s inputs is complete, the unit before it begins (``pre`` for block 0).
+
+    Args:
+        blocks: the block stack's blocks.
+        on_switch: called as ``on_switch(direction, unit)`` (``"forward"``/``"backward"``) at
+            every change, after the tracker's state changed.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], on_switch: Callable[[str, int], None] | None = None) -> None:
+        self.blocks = list(blocks)
+        self.num_blocks = len(self.blocks)
+        self.on_switch = on_switch
+        self.forward_unit = 0
+        self.backward_unit = self.num_blocks + 1
+        self.positions = 0  # dimension -2 of the first tensor block 0 received
+        self.outputs: dict[int, int] = {}  # unit -> bytes of its output tensors (last call)
+        self._handles: list[Any] = []
+
+    def _switch(self, direction: str, unit: int) -> None:
+        if direction == "forward":
+            self.forward_unit = unit
+        else:
+            self.backward_unit = unit
+        if self.on_switch is not None:
+            self.on_switch(direction, unit)
+
+    def _grad_hook(self, unit: int) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            self._switch("backward", unit)
+
+        return hook
+
+    def _pre_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+            if index == 0:
+                self.outputs[0] = sum(_nbytes(t) for t in tensors if t.is_floating_point())
+                hidden = [t for t in tensors if t.is_floating_point() and t.dim() >= 2]
+                self.positions = int(hidden[0].shape[-2]) if hidden else 0
+            if torch.is_grad_enabled():
+                for tensor in tensors:
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._grad_hook(index))  # unit of the block before (pre: 0)
+            self._switch("forward", index + 1)
+
+        return hook
+
+    def _post_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+            self.outputs[index + 1] = sum(_nbytes(t) for t in tensors)
+            if torch.is_grad_enabled():
+                for tensor in tensors:
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._grad_hook(index + 1))
+            if index == self.num_blocks - 1:
+                self._switch("forward", self.num_blocks + 1)
+
+        return hook
+
+    def __enter__(self) -> UnitTracker:
+        for index, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._post_hook(index), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# --- probe microbatches -----------------------------------------------------------------------
+
+
+def resize_microbatch(microbatch: Any, num_sequences: int, length: int, device: torch.device | str | None = None) -> Any:
+    """A microbatch of ``num_sequences`` samples of ``length`` positions, shaped like ``microbatch``.
+
+    The token tensor (``sequence_lengths``'s: the first integer ``[B, T, ...]`` tensor) sets ``B``
+    and ``T``; every tensor whose first dimension is ``B`` gets ``num_sequences`` rows, and whose
+    first two dimensions are ``(B, T)`` also ``length`` positions. On the meta device the result
+    holds no values; on a real device samples and positions are repeated cyclically (token ids stay
+    valid ids). Other leaves are kept.
+
+    Args:
+        microbatch: an example microbatch.
+        num_sequences: samples in the result.
+        length: positions per sample of the result.
+        device: ``"meta"`` for a shape-only microbatch; None keeps each tensor's device.
+    """
+    tokens = _token_tensor(microbatch)
+    batch, positions = int(tokens.shape[0]), int(tokens.shape[1])
+
+    def resize(leaf: Any) -> Any:
+        if not isinstance(leaf, Tensor):
+            return leaf
+        shape = list(leaf.shape)
+        rows = leaf.dim() >= 1 and shape[0] == batch
+        cols = rows and leaf.dim() >= 2 and shape[1] == positions
+        if rows:
+            shape[0] = num_sequences
+        if cols:
+            shape[1] = length
+        if device is not None and torch.device(device).type == "meta":
+            return torch.empty(shape, dtype=leaf.dtype, device="meta")
+        out = leaf
+        if rows:
+            out = out.index_select(0, torch.arange(num_sequences, device=leaf.device) % batch)
+        if cols:
+            out = out.index_select(1, torch.arange(length, device=leaf.device) % positions)
+        return out if device is None else out.to(device)
+
+    return tree_map(resize, microbatch)
+
+
+@contextlib.contextmanager
+def _on_meta(root: nn.Module) -> Iterator[list[Tensor]]:
+    """Swap every parameter and buffer of ``root`` for a meta tensor (ties kept); restore after.
+
+    Yields the meta parameters (each tensor once).
+    """
+    swapped: list[tuple[dict, str, Tensor]] = []
+    meta_of: dict[int, Tensor] = {}
+    for module in root.modules():
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in list(registry.items()):
+                if tensor is None:
+                    continue
+                meta = meta_of.get(id(tensor))
+                if meta is None:
+                    meta = torch.empty_like(tensor, device="meta")
+                    if isinstance(tensor, nn.Parameter):
+                        meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                    meta_of[id(tensor)] = meta
+                swapped.append((registry, name, tensor))
+                registry[name] = meta
+    try:
+        yield [t for t in meta_of.values() if isinstance(t, nn.Parameter)]
+    finally:
+        for registry, name, tensor in swapped:
+            registry[name] = tensor
+
+
+class _MetaFunctions(TorchFunctionMode):
+    """On meta: real tensors meeting meta ones go to meta; attention takes the fused kernel's path.
+
+    A mode does not see calls made inside a function it handles (``F.multi_head_attention_forward``
+    calling ``F.scaled_dot_product_attention``), so while it is active the module attribute
+    ``torch.nn.functional.scaled_dot_product_attention`` is replaced too (restored on exit; only
+    meta calls are routed).
+    """
+
+    def __enter__(self):
+        self._original = F.scaled_dot_product_attention
+        original = self._original
+
+        def scaled_dot_product_attention(query, key, value, *args, **kwargs):
+            routed = _fused_attention(query, key, value, *args, **kwargs) if query.is_meta else None
+            return original(query, key, value, *args, **kwargs) if routed is None else routed
+
+        F.scaled_dot_product_attention = scaled_dot_product_attention
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._original
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
+            args, kwargs = tree_map(_to_meta, (args, kwargs))
+        if func is self._original:
+            routed = _fused_attention(*args, **kwargs)
+            if routed is not None:
+                return routed
+        return func(*args, **kwargs)
+
+
+def _to_meta(value: Any) -> Any:
+    return value.detach().to("meta") if isinstance(value, Tensor) and not value.is_meta else value
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The CPU flash kernel where a CPU would choose it (see the module docstring), else None."""
+    fused = (
+        dropout_p == 0.0 and not enable_gqa and query.dim() == 4 and key.dim() == 4 and value.dim() == 4
+        and query.shape[-1] == key.shape[-1] == value.shape[-1] and query.is_floating_point()
+    )
+    if not fused:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+    packet = func.overloadpacket
+    if packet in flop_registry:
+        return float(flop_registry[packet](*args, **kwargs, out_val=out))
+    if packet is _FLASH_CPU:  # not in torch's registry
+        return float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+    if packet is _FLASH_CPU_BACKWARD:
+        return float(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+    return 0.0
+
+
+class _WorkCounter(TorchDispatchMode):
+    """Per unit and direction: FLOPs, bytes moved, ops, assumed seconds."""
+
+    def __init__(self, tracker: UnitTracker, speed: DeviceSpeed) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.speed = speed
+        self.backward = False
+        self.flops: dict[tuple[bool, int], float] = defaultdict(float)
+        self.seconds: dict[tuple[bool, int], float] = defaultdict(float)
+        self.ops: dict[tuple[bool, int], int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops = _op_flops(func, args, kwargs, out)
+        nbytes = 0 if func.is_view else sum(
+            _nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, Tensor)
+        )
+        key = (self.backward, self.tracker.backward_unit if self.backward else self.tracker.forward_unit)
+        self.flops[key] += flops
+        self.seconds[key] += self.speed.seconds(flops, nbytes)
+        self.ops[key] += 1
+        return out
+
+
+class _SavedCounter:
+    """Saved-tensor hooks: bytes per unit, each storage once, parameters and the batch excluded."""
+
+    def __init__(self, tracker: UnitTracker, excluded: Sequence[Tensor]) -> None:
+        self.tracker = tracker
+        self._keep = [t.untyped_storage() for t in excluded]  # storages stay alive: ids stay unique
+        self._seen = {id(s) for s in self._keep}
+        self.saved: dict[int, int] = defaultdict(int)
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if id(storage) not in self._seen:
+            self._seen.add(id(storage))
+            self._keep.append(storage)
+            self.saved[self.tracker.forward_unit] += storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: Tensor) -> Tensor:
+        return tensor
+
+
+def _step_loss(output: Any) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+@contextlib.contextmanager
+def _silent_log(root: nn.Module):
+    """``self.log`` does nothing while probing (the instance attribute shadows the method)."""
+    if not hasattr(root, "log"):
+        yield
+        return
+    root.log = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del root.log
+
+
+def count_units(
+    root: nn.Module,
+    stack: BlockStack,
+    step_name: str,
+    step_args: tuple,
+    shapes: Sequence[tuple[int, int]],
+    speed: DeviceSpeed | None = None,
+) -> list[UnitCount]:
+    """Run the user's step on the meta device for every probe shape and count each unit's work.
+
+    Args:
+        root: the user's module (its parameters are swapped for meta tensors during the probe and
+            put back; nothing else changes).
+        stack: its block stack.
+        step_name: ``"training_step"``.
+        step_args: an example of the step's arguments (microbatch first; only its structure and
+            dtypes are used).
+        shapes: ``(num_sequences, length)`` of every probe microbatch.
+        speed: the assumed device (default: :meth:`DeviceSpeed.for_device` of the first parameter).
+
+    Returns:
+        One :class:`UnitCount` per unit and shape.
+
+    Raises:
+        RuntimeError: if the step cannot run on meta tensors (data-dependent Python control flow,
+            ``.item()``); the message says to profile with real tensors instead.
+    """
+    if speed is None:
+        device = next((p.device for p in root.parameters() if not p.is_meta), torch.device("cpu"))
+        speed = DeviceSpeed.for_device(device)
+    num_blocks = stack.num_blocks
+    counts = []
+    for num_sequences, length in shapes:
+        tracker = UnitTracker(stack.blocks)
+        work = _WorkCounter(tracker, speed)
+        microbatch = resize_microbatch(step_args[0], num_sequences, length, device="meta")
+        batch_tensors = [t for t in tree_flatten(microbatch)[0] if isinstance(t, Tensor)]
+        with _on_meta(root) as params, _silent_log(root), tracker, torch.enable_grad():
+            saved = _SavedCounter(tracker, params + batch_tensors)
+            try:
+                with _MetaFunctions(), work, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    output = getattr(root, step_name)(microbatch, *step_args[1:])
+                    loss = _step_loss(output)
+                    trainable = [p for p in params if p.requires_grad]
+                    if loss is not None and loss.requires_grad and trainable:
+                        work.backward = True
+                        torch.autograd.grad(loss, trainable, allow_unused=True)
+            except Exception as error:
+                raise RuntimeError(
+                    f"The meta-device cost probe could not run `{type(root).__name__}.{step_name}` on meta tensors "
+                    f"({type(error).__name__}: {error}). Steps that read tensor values (`.item()`, data-dependent "
+                    "branches) need measured costs: add the `PipelineProfiler` callback or pass `cost_model=` a profile."
+                ) from error
+        positions = tracker.positions or length
+        for unit in range(num_blocks + 2):
+            counts.append(
+                UnitCount(
+                    unit=unit,
+                    num_sequences=num_sequences,
+                    length=length,
+                    positions=positions,
+                    forward_flops=work.flops[(False, unit)],
+                    backward_flops=work.flops[(True, unit)],
+                    forward_seconds=work.seconds[(False, unit)],
+                    backward_seconds=work.seconds[(True, unit)],
+                    num_forward_ops=work.ops[(False, unit)],
+                    saved_bytes=saved.saved[unit],
+                    output_bytes=0 if unit == num_blocks + 1 else tracker.outputs.get(unit, 0),
+                )
+            )
+    return counts
+
+
+# --- timing real units ---------------------------------------------------------------------------
+
+
+class _Clock:
+    """Time spent in each unit, from the tracker's switches (synchronizing CUDA at each)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.unit = -1
+        self.since = 0.0
+        self.spent: dict[int, float] = defaultdict(float)
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self, unit: int) -> None:
+        self.unit, self.since = unit, self.now()
+
+    def switch(self, unit: int) -> None:
+        now = self.now()
+        self.spent[self.unit] += now - self.since
+        self.unit, self.since = unit, now
+
+    def stop(self) -> None:
+        self.switch(-1)
+
+
+def _time_span_once(
+    runner: StageRunner, step_name: str, args: tuple, span: StageSpan, params: list[Tensor], device: torch.device
+) -> tuple[dict[int, float], dict[int, float], int]:
+    forward, backward = _Clock(device), _Clock(device)
+
+    def on_switch(direction: str, unit: int) -> None:
+        (forward if direction == "forward" else backward).switch(unit)
+
+    def receive(metas: list[Tensor]) -> list[Tensor]:
+        inputs = []
+        for meta in metas:
+            tensor = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+            inputs.append(tensor.requires_grad_(True) if tensor.is_floating_point() else tensor)
+        return inputs
+
+    tracker = UnitTracker(runner.stack.blocks, on_switch)
+    with tracker, torch.enable_grad():
+        forward.start(0)
+        result = runner.run(step_name, args, span, receive=None if span.is_first else receive)
+        forward.stop()
+        if span.is_last:
+            loss = _step_loss(result.step_output)
+            outputs, grads = ([loss], None) if loss is not None and loss.requires_grad else ([], None)
+        else:
+            outputs = [t for t in result.outputs if t.requires_grad]
+            grads = [torch.ones_like(t) for t in outputs]
+        inputs = [p for p in params if p.requires_grad] + [t for t in result.inputs if t.requires_grad]
+        if outputs and inputs:
+            backward.start(span.num_blocks + 1 if span.is_last else span.end_block)
+            torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+            backward.stop()
+    del result
+    return forward.spent, backward.spent, tracker.positions
+
+
+def _span_units(span: StageSpan) -> list[int]:
+    units = [0] if span.is_first else []
+    units += [1 + b for b in range(span.first_block, span.end_block)]
+    return units + ([span.num_blocks + 1] if span.is_last else [])
+
+
+def time_units(
+    runner: StageRunner,
+    step_name: str,
+    step_args: tuple,
+    spans: Sequence[StageSpan],
+    shapes: Sequence[tuple[int, int]],
+    parameters: Sequence[Tensor],
+    device: torch.device,
+    repeats: int = 3,
+    warmup: int = 1,
+    step_context: Callable[[], Any] | None = None,
+) -> list[UnitTiming]:
+    """Time the forward and backward of every unit of ``spans`` for every probe shape, for real.
+
+    Each stage runs the user's step through ``runner`` (stages that are not first get zero inputs of
+    the shapes the previous stage would send), then backward from the loss (last stage) or from
+    gradients of ones on the stage's outputs, with ``torch.autograd.grad`` (no ``.grad`` changes).
+    Shapes are visited round-robin ``repeats`` times, so that a slow period of a shared machine
+    spreads over all shapes; the median is kept. RNG state and buffers are restored afterwards.
+
+    Args:
+        runner: the stage runner of the module.
+        step_name: ``"training_step"``.
+        step_args: an example of the step's arguments (microbatch first, with real values).
+        spans: the stages to time (this rank's).
+        shapes: ``(num_sequences, length)`` of every probe microbatch.
+        parameters: the real parameters of the spans' units (gradients are computed for them).
+        device: where the stages run.
+        repeats: timed runs per shape.
+        warmup: untimed runs per shape first.
+        step_context: a context-manager factory around each run (precision autocast).
+
+    Returns:
+        One :class:`UnitTiming` per unit of ``spans`` and shape.
+    """
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
+    params = list(parameters)
+    probes = [
+        (shape, (resize_microbatch(step_args[0], *shape, device=device), *step_args[1:])) for shape in shapes
+    ]
+    samples: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    positions: dict[tuple[int, int], int] = {}
+    context = step_context or contextlib.nullcontext
+    with _untouched(runner.root, device), _silent_log(runner.root):
+        for round_index in range(warmup + repeats):
+            for shape, args in probes:
+                for span in spans:
+                    with context():
+                        forward, backward, seen = _time_span_once(runner, step_name, args, span, params, device)
+                    positions[shape] = seen or positions.get(shape, 0)
+                    if round_index < warmup:
+                        continue
+                    for unit in _span_units(span):
+                        samples[(shape, unit)].append((forward.get(unit, 0.0), backward.get(unit, 0.0)))
+    timings = []
+    for (shape, unit), values in sorted(samples.items()):
+        timings.append(
+            UnitTiming(
+                unit, shape[0], shape[1], positions.get(shape) or shape[1],
+                statistics.median(v[0] for v in values), statistics.median(v[1] for v in values),
+            )
+        )
+    return timings
+
+
+# --- fitting -------------------------------------------------------------------------------------
+
+
+def _length_offset(lengths_and_positions: Sequence[tuple[int, int]]) -> int:
+    offsets = sorted(length - positions for length, positions in lengths_and_positions if positions > 0)
+    offset = offsets[len(offsets) // 2] if offsets else 0
+    return offset if offset >= 0 else 0
+
+
+def _fit(shapes: Sequence[MicrobatchShape], values: Sequence[float]) -> LinearCost:
+    """Non-negative linear fit (relative residuals when all values are positive)."""
+    measured = np.asarray(values, dtype=float)
+    if (measured == 0).all():
+        return LinearCost()
+    if (measured > 0).all() and len(measured) >= 3:
+        return fit_linear_cost(shapes, measured, holdout_fraction=0.0).cost
+    features = np.array([[1.0, s.tokens, s.sum_squared_lengths] for s in shapes], dtype=float)
+    scale = np.abs(features).max(axis=0)
+    scale[scale == 0] = 1.0
+    solution, _ = nnls(features / scale, measured)
+    return LinearCost(*(float(c) for c in solution / scale))
+
+
+def _parameter_bytes(module: nn.Module, layout: UnitLayout) -> list[tuple[float, float]]:
+    """Per unit: (parameter bytes, bytes of parameters that train)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out = []
+    for names in layout.unit_names:
+        owned = [params[n] for n in names if n in params]
+        out.append((float(sum(_nbytes(p) for p in owned)), float(sum(_nbytes(p) for p in owned if p.requires_grad))))
+    return out
+
+
+def _unit_name(unit: int, num_units: int) -> str:
+    return "pre" if unit == 0 else "post" if unit == num_units - 1 else f"block.{unit - 1}"
+
+
+def fit_cost_model(
+    counts: Sequence[UnitCount],
+    module: nn.Module,
+    layout: UnitLayout,
+    optimizer_states_per_parameter: float = 2.0,
+    latency: float = 0.0,
+    bandwidth: float = math.inf,
+) -> CostEstimate:
+    """Fit a :class:`~lightning_pipe.planning.CostModel` to meta counts.
+
+    Seconds and saved bytes are fitted per unit, linear in the tokens and squared lengths the blocks
+    see (the batch's lengths minus the detected ``length_offset``); parameter and gradient bytes
+    come from the module (meta parameters included), optimizer bytes are
+    ``optimizer_states_per_parameter`` times the trained parameters' bytes (2 for Adam/AdamW, 1 for
+    SGD with momentum, 0 for plain SGD).
+
+    Args:
+        counts: from :func:`count_units`, every unit on at least three shapes.
+        module: the user's module.
+        layout: its units.
+        optimizer_states_per_parameter: optimizer state tensors per trained parameter.
+        latency: seconds per point-to-point message of the model.
+        bandwidth: bytes per second of a link between stages.
+    """
+    offset = _length_offset([(c.length, c.positions) for c in counts])
+    by_unit: dict[int, list[UnitCount]] = defaultdict(list)
+    for count in counts:
+        by_unit[count.unit].append(count)
+    static = _parameter_bytes(module, layout)
+    units = []
+    for unit in range(layout.num_units):
+        rows = by_unit.get(unit)
+        if not rows:
+            raise ValueError(f"No probe counts for unit {unit} ({_unit_name(unit, layout.num_units)}).")
+        shapes = [MicrobatchShape.from_lengths([max(1, r.length - offset)] * r.num_sequences) for r in rows]
+        per_token = max(r.output_bytes / max(1, s.tokens) for r, s in zip(rows, shapes))
+        parameter_bytes, trained_bytes = static[unit]
+        units.append(
+            UnitCost(
+                name=_unit_name(unit, layout.num_units),
+                forward=_fit(shapes, [r.forward_seconds for r in rows]),
+                backward=_fit(shapes, [r.backward_seconds for r in rows]),
+                saved_bytes=_fit(shapes, [float(r.saved_bytes) for r in rows]),
+                output_bytes_per_token=float(per_token),
+                parameter_bytes=parameter_bytes,
+                gradient_bytes=trained_bytes,
+                optimizer_bytes=trained_bytes * optimizer_states_per_parameter,
+            )
+        )
+    return CostEstimate(CostModel(tuple(units), latency=latency, bandwidth=bandwidth), offset, "meta")
+
+
+def fit_timings(
+    timings: Sequence[UnitTiming], template: CostEstimate, holdout_fraction: float = 0.25
+) -> CostEstimate:
+    """Replace the seconds of ``template`` (bytes kept) by fits of measured timings.
+
+    Args:
+        timings: from :func:`time_units` (every unit, at least four shapes each when holding out).
+        template: the model to start from (a meta estimate: bytes, parameters, link).
+        holdout_fraction: fraction of each unit's samples held out to report the fit's error.
+
+    Returns:
+        A :class:`CostEstimate` with ``source="profile"`` and one fit per unit in ``fits``.
+    """
+    offset = _length_offset([(t.length, t.positions) for t in timings])
+    by_unit: dict[int, list[UnitTiming]] = defaultdict(list)
+    for timing in timings:
+        by_unit[timing.unit].append(timing)
+    fits = []
+    for unit, cost in enumerate(template.cost_model.units):
+        rows = by_unit.get(unit)
+        if not rows:
+            raise ValueError(f"No timings for unit {unit} ({cost.name}); every unit must be timed by some rank.")
+        samples = [
+            TimingSample(
+                MicrobatchShape.from_lengths([max(1, r.length - offset)] * r.num_sequences),
+                max(r.forward_seconds, 1e-9),
+                max(r.backward_seconds, 1e-9),
+            )
+            for r in rows
+        ]
+        fits.append(fit_unit_cost(samples, cost, holdout_fraction=holdout_fraction))
+    model = dataclasses.replace(template.cost_model, units=tuple(f.unit for f in fits))
+    return CostEstimate(model, offset, "profile", tuple(fits))
