@@ -72,3 +72,10 @@ def gather_objects(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] | 
     boxes = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(obj, boxes, dst=dst, group=group)
     return boxes
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """One picklable object per rank of ``group`` (None: every process), on every rank, in rank order."""
+    boxes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(boxes, obj, group=group)
+    return boxes
