@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -26,6 +27,7 @@ __all__ = [
     "_SubprocessScriptLauncher",
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
+    "peek_next_training_batch",
     "set_skip_backward",
 ]
 
@@ -38,6 +40,37 @@ def set_skip_backward(trainer: pl.Trainer, skip: bool) -> None:
     the same switch).
     """
     trainer.fit_loop._skip_backward = skip
+
+
+def peek_next_training_batch(trainer: pl.Trainer) -> tuple[bool, Any]:
+    """The batch the fit loop hands out after the current one, without consuming it.
+
+    Returns ``(True, batch)`` (the batch as the dataloader yields it, before it is moved to the
+    device), or ``(False, None)`` at the end of an epoch or when the loop gives no lookahead (a
+    ``training_step`` taking ``dataloader_iter``).
+
+    Lightning's ``_PrefetchDataFetcher`` keeps one batch ahead only for loaders of unknown length;
+    for sized loaders this fetches the next batch early and leaves it in the fetcher's queue, where
+    the loop takes it next, with the fetcher's counters as they were (so ``is_last_batch`` is
+    unchanged). The next batch is loaded before the current step runs instead of after it: a
+    dataset drawing from the main process's global RNG (``num_workers=0``) draws in another order
+    relative to the model's own random ops.
+    """
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if not isinstance(fetcher, _PrefetchDataFetcher):
+        return False, None
+    if not fetcher.batches:
+        if fetcher.done:
+            return False, None
+        fetched, done = fetcher.fetched, fetcher.done
+        try:
+            item = _DataFetcher.__next__(fetcher)
+        except StopIteration:
+            return False, None
+        fetcher.batches.append(item)
+        fetcher.fetched, fetcher.done = fetched, done
+    batch, _, _ = fetcher.batches[0]
+    return True, batch
 
 
 class PipelineMultiProcessingLauncher(_Launcher):

@@ -1,0 +1,69 @@
+"""The private Lightning names of ``strategies/_lightning_compat.py`` still behave as we rely on."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_pipe.strategies import _lightning_compat as compat
+from tests.helpers.training import BatchDataset
+
+
+class _Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Stream(IterableDataset):
+    """Batches of unknown length (Lightning's fetcher prefetches one batch for these)."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+class _Peek(L.Callback):
+    def __init__(self) -> None:
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        found, upcoming = compat.peek_next_training_batch(trainer)
+        again = compat.peek_next_training_batch(trainer)  # peeking twice fetches nothing more
+        assert found == again[0] and (upcoming is again[1])
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        self.seen.append((batch_idx, batch[0, 0].item(), found, None if upcoming is None else upcoming[0, 0].item(), last))
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_peek_next_training_batch_sees_the_next_batch_without_consuming_it(sized):
+    batches = [torch.full((2, 3), float(i)) for i in range(5)]
+    data = BatchDataset(batches) if sized else _Stream(batches)
+    peek = _Peek()
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[peek],
+    )
+    trainer.fit(_Linear(), DataLoader(data, batch_size=None, shuffle=False))
+    epoch = [(i, float(i), i < 4, float(i + 1) if i < 4 else None, i == 4) for i in range(5)]
+    assert peek.seen == epoch + epoch  # every batch once, in order; the last batch is still known as last
+    assert trainer.global_step == 10
+
+
+def test_set_skip_backward_switches_the_fit_loop_flag():
+    trainer = L.Trainer(accelerator="cpu", logger=False)
+    compat.set_skip_backward(trainer, True)
+    assert trainer.fit_loop._skip_backward is True
+    compat.set_skip_backward(trainer, False)
+    assert trainer.fit_loop._skip_backward is False
