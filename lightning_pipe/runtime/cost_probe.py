@@ -667,7 +667,7 @@ def time_units(
     samples: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     positions: dict[tuple[int, int], int] = {}
     context = step_context or contextlib.nullcontext
-    with _untouched(runner.root, device), _silent_log(runner.root):
+    with _untouched(runner.root, device):
         for round_index in range(warmup + repeats):
             for shape, args in probes:
                 for span in spans:

@@ -7,6 +7,7 @@ tensors, collectives) and ``schedules/`` (the program). See docs/architecture.md
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -46,12 +47,13 @@ from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_sc
 from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies import checkpointing
 from lightning_pipe.strategies.partitioning import initial_partition
+from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.precision import install_global_norm_clipping
 
 log = logging.getLogger(__name__)
 
-PartitionSpec = Union[Literal["uniform", "balanced"], list[int]]
+PartitionSpec = Union[Literal["uniform", "balanced", "auto"], list[int]]
 ScheduleSpec = Union[str, dict[str, Any], Schedule]
 
 
@@ -65,8 +67,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
         schedule: a family name (``"1f1b"``, ``"gpipe"``, ...), a DSL spec (text or dict), or a
             :class:`~lightning_pipe.schedules.Schedule`.
         blocks: dotted path of the repeated block stack (``"model.layers"``); None: auto-detect.
-        partition: ``"uniform"`` (equal block counts), ``"balanced"`` (by parameter count), or the
-            number of blocks of each stage (``[3, 3, 2]``).
+        partition: ``"uniform"`` (equal block counts), ``"balanced"`` (by parameter count), the
+            number of blocks of each stage (``[3, 3, 2]``), or ``"auto"``: before the first step, the
+            fastest partition for the training data's longest batch under the meta-device cost model
+            (the static plan; ``strategies/costs.py`` says how the batch is found). Per-batch plans
+            come from the ``ElasticRepartition`` callback.
         process_group_backend: ``"gloo"``, ``"nccl"``; None: the default for the device.
         start_method: ``"popen"`` (re-run the script per process, works with torchrun), or
             ``"spawn"``/``"fork"`` (start processes from the current one; notebooks, tests).
@@ -106,8 +111,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             raise ValueError(f"`pipeline_parallel_size` must be at least 1, got {pipeline_parallel_size}.")
         if num_microbatches is not None and num_microbatches < 1:
             raise ValueError(f"`num_microbatches` must be at least 1, got {num_microbatches}.")
-        if isinstance(partition, str) and partition not in ("uniform", "balanced"):
-            raise ValueError(f"`partition={partition!r}`: use 'uniform', 'balanced' or a list of blocks per stage.")
+        if isinstance(partition, str) and partition not in ("uniform", "balanced", "auto"):
+            raise ValueError(f"`partition={partition!r}`: use 'uniform', 'balanced', 'auto' or a list of blocks per stage.")
         self._pipeline_parallel_size = pipeline_parallel_size
         self._num_microbatches = num_microbatches
         self.schedule: Schedule = resolve_schedule(schedule)
@@ -121,6 +126,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.last_migration: MigrationReport | None = None
         self.memory = StrategyMemory(memory_budget, recompute, offload, mlp_chunk_size)  # see strategies/memory.py
+        self.costs = StrategyCosts()  # cost models for planners; see strategies/costs.py
 
     # --- sizes and ranks -----------------------------------------------------------------------
 
@@ -249,14 +255,14 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return
         stack = find_blocks(module, self._blocks)
         num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
-        initial_partition(self._partition_spec, module, analyze_units(module, stack), num_stages)
+        initial_partition(self._setup_partition_spec, module, analyze_units(module, stack), num_stages)
 
     def _shard(self, trainer: Any) -> None:
         module = self.lightning_module
         stack = find_blocks(module, self._blocks)
         self.unit_layout = analyze_units(module, stack)
         num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
-        boundaries = initial_partition(self._partition_spec, module, self.unit_layout, num_stages)
+        boundaries = initial_partition(self._setup_partition_spec, module, self.unit_layout, num_stages)
         self._install(PipelinePlan(boundaries, self.schedule, self.num_microbatches))
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
         shard_module(module, self.unit_layout, owned, self.root_device)
@@ -270,6 +276,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.root_device,
         )
         self.memory.setup(self)
+        self.costs.setup(self)
         self._tied = self._tied_parameters()
 
     def _install(self, plan: PipelinePlan) -> None:
@@ -295,12 +302,27 @@ class ElasticPipelineStrategy(ParallelStrategy):
             plan.num_microbatches,
         )
 
+    @property
+    def _setup_partition_spec(self) -> PartitionSpec:
+        """The rule for boundaries made without data: ``"auto"`` starts ``"balanced"``."""
+        return "balanced" if self._partition_spec == "auto" else self._partition_spec
+
+    @override
+    def on_train_start(self) -> None:
+        """``partition="auto"``: move to the best partition for the training data's longest batch."""
+        if self._partition_spec != "auto":
+            return
+        boundaries = self.costs.plan_static_partition(self.lightning_module.trainer.train_dataloader)
+        if boundaries != self.boundaries:
+            self.apply_plan(dataclasses.replace(self.plan, boundaries=boundaries))
+
     def default_boundaries(self, num_stages: int) -> tuple[int, ...]:
         """Boundaries for ``num_stages`` stages following the ``partition`` argument's rule.
 
-        An explicit list only fits its own stage count; other counts fall back to ``"balanced"``.
+        An explicit list only fits its own stage count; other counts, and ``"auto"``, fall back to
+        ``"balanced"``.
         """
-        spec = self._partition_spec
+        spec = self._setup_partition_spec
         if isinstance(spec, (list, tuple)) and len(spec) != num_stages:
             spec = "balanced"
         return initial_partition(spec, self.lightning_module, self.unit_layout, num_stages)

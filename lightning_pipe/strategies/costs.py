@@ -1,0 +1,281 @@
+"""The strategy's cost models: what planners price batches with, agreed on by every rank.
+
+:class:`StrategyCosts` is what ``ElasticPipelineStrategy.costs`` holds. It answers the planner
+callbacks (``ElasticRepartition``, ``ScheduleSwitch("auto")``, ``PipelineProfiler``) and the
+strategy's own ``partition="auto"``:
+
+* the microbatch lengths of a batch, split exactly as the strategy splits it, and the same lengths
+  from every data-parallel replica (all replicas must run one partition: their stage ``s`` holds
+  the same parameters, whose gradients they average);
+* a cost model without profiling: the meta-device probe of ``runtime.cost_probe``, made from shapes
+  every rank agrees on, so every rank gets the same numbers;
+* a measured profile: each rank times the units it owns, rank 0 fits, every rank gets rank 0's fit;
+* the longest batch of the training data, for the static ``partition="auto"``.
+
+Lightning-free: it needs only the strategy's attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_pipe.planning.cost_model import MicrobatchShape
+from lightning_pipe.planning.partition import plan_partition
+from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime.cost_probe import (
+    CostEstimate,
+    DeviceSpeed,
+    count_units,
+    fit_cost_model,
+    fit_timings,
+    time_units,
+)
+from lightning_pipe.runtime.memory_profile import sequence_lengths
+from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+
+log = logging.getLogger(__name__)
+
+LengthsFn = Callable[[Any], Sequence[int]]
+"""``lengths_fn(batch) -> one length per sample``; default: ``[T] * B`` of the token tensor ``[B, T]``."""
+
+# Assumed stage-to-stage link, (seconds per message, bytes per second), until migrations are measured.
+_LINK = {"cpu": (1e-4, 2e9), "cuda": (1e-5, 50e9)}
+
+
+class StrategyCosts:
+    """Cost models and batch shapes of one ``ElasticPipelineStrategy`` (see the module docstring).
+
+    Args:
+        speed: the assumed device of meta estimates; None: :meth:`DeviceSpeed.for_device`.
+    """
+
+    def __init__(self, speed: DeviceSpeed | None = None) -> None:
+        self.speed = speed
+        self.estimate: CostEstimate | None = None
+        self.longest_batch_lengths: list[int] | None = None
+        self._strategy: Any = None
+
+    def setup(self, strategy: Any) -> None:
+        """Attach to the strategy (after sharding)."""
+        self._strategy = strategy
+
+    # --- batches ---------------------------------------------------------------------------------
+
+    def microbatch_lengths(self, batch: Any, lengths_fn: LengthsFn | None = None) -> list[list[int]]:
+        """Per microbatch, the length of each of its samples, split as the strategy splits the batch.
+
+        Samples go to microbatches in order, the first ``B % num_microbatches`` microbatches taking
+        one more (``torch.tensor_split``, as ``runtime.microbatch.split_batch``).
+
+        Raises:
+            ValueError: ``lengths_fn`` gives another number of lengths than the batch has samples.
+        """
+        lengths = [int(n) for n in (lengths_fn or sequence_lengths)(batch)]
+        size = batch_size_of(batch)
+        if len(lengths) != size:
+            raise ValueError(f"`lengths_fn` returned {len(lengths)} lengths for a batch of {size} samples.")
+        pieces = torch.tensor_split(torch.arange(size), self._strategy.num_microbatches)
+        return [[lengths[i] for i in piece.tolist()] for piece in pieces]
+
+    def replica_values(self, value: Any) -> list[Any]:
+        """``value`` of every data-parallel replica, in replica order (a collective when dp > 1)."""
+        strategy = self._strategy
+        if strategy.layout.data_parallel_size == 1:
+            return [value]
+        return collectives.all_gather_objects(value, strategy.groups.data_parallel)
+
+    def max_over_ranks(self, value: float) -> float:
+        """The largest ``value`` of all processes (a collective), so that every rank uses one number."""
+        if self._strategy.world_size == 1:
+            return float(value)
+        return float(max(collectives.all_gather_objects(float(value), None)))
+
+    def shapes(self, microbatch_lengths: Sequence[Sequence[int]]) -> list[MicrobatchShape]:
+        """The planner's microbatch shapes (the current estimate's ``length_offset`` removed)."""
+        offset = self.estimate.length_offset if self.estimate is not None else 0
+        return [MicrobatchShape.from_lengths([max(1, n - offset) for n in lengths]) for lengths in microbatch_lengths]
+
+    def heaviest(self, per_replica: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
+        """The replica batch with the most work under the current cost model (first one on ties).
+
+        A partition is shared by all replicas and the slowest one sets the step time, so planners
+        plan for this batch.
+        """
+        if len(per_replica) == 1 or self.estimate is None:
+            return [list(mb) for mb in per_replica[0]]
+        model = self.estimate.cost_model
+
+        def work(lengths: Sequence[Sequence[int]]) -> float:
+            tables = model.tables(self.shapes(lengths))
+            return float(tables.forward.sum() + tables.backward.sum())
+
+        best = max(range(len(per_replica)), key=lambda r: (work(per_replica[r]), -r))
+        return [list(mb) for mb in per_replica[best]]
+
+    # --- cost models -----------------------------------------------------------------------------
+
+    def use(self, estimate: CostEstimate | None) -> None:
+        """Make ``estimate`` the model planners use."""
+        self.estimate = estimate
+
+    def load(self, path: str | Path) -> CostEstimate:
+        """Read a JSON profile (``CostModel.save`` or ``PipelineProfiler``'s) and use it."""
+        import json
+
+        data = json.loads(Path(path).read_text())
+        self.use(CostEstimate.from_dict(data))
+        return self.estimate
+
+    def _probe_shapes(self, max_length: int, num_sequences: int) -> list[tuple[int, int]]:
+        half, quarter = max(2, math.ceil(max_length / 2)), max(2, math.ceil(max_length / 4))
+        shapes = [(num_sequences, max_length), (num_sequences, half), (2 * num_sequences, quarter)]
+        shapes.append((max(1, num_sequences // 2) if num_sequences > 1 else 2, max_length))
+        return list(dict.fromkeys(shapes))
+
+    def meta_estimate(self, batch: Any, max_length: int, num_sequences: int) -> CostEstimate:
+        """A cost model from the meta-device probe (no profiling), identical on every rank.
+
+        Args:
+            batch: any batch of the training data (only its structure and dtypes are used).
+            max_length: the longest sample length to probe (every rank must pass the same).
+            num_sequences: samples per probe microbatch (every rank must pass the same).
+        """
+        strategy = self._strategy
+        module = strategy.lightning_module
+        microbatch = split_batch(batch, strategy.num_microbatches)[0]
+        device = strategy.root_device
+        counts = count_units(
+            module, strategy.runner.stack, "training_step", (microbatch, 0),
+            self._probe_shapes(max_length, num_sequences), self.speed or DeviceSpeed.for_device(device),
+        )
+        latency, bandwidth = _LINK.get(device.type, _LINK["cuda"])
+        states = strategy.memory.static_bytes_per_parameter_byte() - 2.0
+        return fit_cost_model(counts, module, strategy.unit_layout, states, latency, bandwidth)
+
+    def profile(
+        self,
+        batch: Any,
+        batch_index: int,
+        shapes: Sequence[tuple[int, int]],
+        repeats: int = 3,
+        warmup: int = 1,
+        holdout_fraction: float = 0.25,
+    ) -> CostEstimate:
+        """Time every unit for real on ``shapes`` (each rank its own stages), fit on rank 0, share.
+
+        Args:
+            batch: a training batch (its first microbatch gives the probes' structure and values).
+            batch_index: the batch's index (the step's second argument).
+            shapes: ``(num_sequences, length)`` of every probe microbatch.
+            repeats: timed runs per shape (the median is kept).
+            warmup: untimed runs per shape first.
+            holdout_fraction: share of samples held out to report each fit's error.
+
+        Returns:
+            The fitted :class:`CostEstimate` (``source="profile"``), the same on every rank.
+        """
+        strategy = self._strategy
+        microbatch = split_batch(batch, strategy.num_microbatches)[0]
+        params = [p for p in strategy.lightning_module.parameters() if not p.is_meta]
+        timings = time_units(
+            strategy.runner, "training_step", (microbatch, batch_index), list(strategy.spans.values()), shapes, params,
+            strategy.root_device, repeats, warmup, strategy.precision_plugin.train_step_context,
+        )
+        gathered = strategy.gather_from_pipeline(timings)
+        estimate = None
+        if strategy.global_rank == 0:
+            max_length = max(length for _, length in shapes)
+            num_sequences = max(count for count, _ in shapes)
+            template = self.meta_estimate(batch, max_length, num_sequences)
+            estimate = fit_timings([t for part in gathered for t in part], template, holdout_fraction)
+        if strategy.world_size > 1:
+            estimate = strategy.broadcast(estimate, 0)
+        return estimate
+
+    # --- partition="auto" ------------------------------------------------------------------------
+
+    def scan_longest_batch(self, loader: Any, lengths_fn: LengthsFn | None = None) -> tuple[Any, list[int]]:
+        """The batch of ``loader`` with the longest sample (most tokens on ties) and its lengths.
+
+        Reads the loader's dataset through its sampler and collate function in this process, under
+        saved-and-restored RNG states (torch, ``random``, numpy), without creating an iterator of the
+        loader (no worker processes, no draw of the iterator's base seed), so training sees the same
+        data and random numbers as without the scan. It loads every batch once.
+
+        Raises:
+            ValueError: the loader is not one ``DataLoader`` over a map-style dataset.
+        """
+        if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+            raise ValueError(
+                "`partition='auto'` finds the longest batch by reading the training `DataLoader`'s map-style dataset "
+                f"through its sampler, but the training data is {type(loader).__name__}"
+                f"{' over an IterableDataset' if isinstance(loader, DataLoader) else ''}. Use `partition='balanced'` "
+                "(or a list of blocks per stage) and the `ElasticRepartition` callback."
+            )
+        measure = lengths_fn or sequence_lengths
+        dataset, collate = loader.dataset, loader.collate_fn
+        if loader.batch_sampler is None:
+            batches = (collate(dataset[i]) for i in loader.sampler)
+        else:
+            batches = (collate([dataset[i] for i in indices]) for indices in loader.batch_sampler)
+        best, best_key, best_lengths = None, None, []
+        with _restored_random_states():
+            for batch in batches:
+                lengths = [int(n) for n in measure(batch)]
+                key = (max(lengths), sum(lengths))
+                if best_key is None or key > best_key:
+                    best, best_key, best_lengths = batch, key, lengths
+        if best is None:
+            raise ValueError("`partition='auto'`: the training dataloader yields no batch.")
+        return best, best_lengths
+
+    def plan_static_partition(self, loader: Any, lengths_fn: LengthsFn | None = None) -> tuple[int, ...]:
+        """``partition="auto"``: the best partition for the longest batch of the whole training data.
+
+        Every replica scans its shard (:meth:`scan_longest_batch`); the longest over replicas is
+        planned with the meta-device cost model (:func:`~lightning_pipe.planning.plan_partition`
+        for the strategy's schedule), so every rank gets the same boundaries.
+        """
+        strategy = self._strategy
+        batch, lengths = self.scan_longest_batch(loader, lengths_fn)
+        everyone = self.replica_values(lengths)
+        longest = max(everyone, key=lambda ls: (max(ls), sum(ls)))
+        self.longest_batch_lengths = list(longest)
+        per_microbatch = _split(longest, strategy.num_microbatches)
+        if self.estimate is None:
+            sizes = [len(mb) for mb in per_microbatch]
+            self.use(self.meta_estimate(batch, max(longest), max(sizes)))
+        plan = plan_partition(
+            self.estimate.cost_model, self.shapes(per_microbatch), strategy.schedule, strategy.pipeline_parallel_size
+        )
+        log.info(
+            "partition='auto': longest batch (%d samples, up to %d long) planned as %s, predicted %.4g s per step",
+            len(longest), max(longest), list(plan.boundaries), plan.step_seconds,
+        )
+        return plan.boundaries
+
+
+def _split(lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:
+    pieces = torch.tensor_split(torch.arange(len(lengths)), num_microbatches)
+    return [[lengths[i] for i in piece.tolist()] for piece in pieces]
+
+
+@contextlib.contextmanager
+def _restored_random_states():
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
