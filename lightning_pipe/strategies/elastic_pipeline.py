@@ -316,6 +316,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if boundaries != self.boundaries:
             self.apply_plan(dataclasses.replace(self.plan, boundaries=boundaries))
 
+    def peek_next_batch(self) -> tuple[bool, Any]:
+        """``(True, batch)`` for the training batch after the current one, as the dataloader yields it
+        (not yet on the device; not consumed), or ``(False, None)`` (end of epoch). For planners that
+        plan batch ``k + 1`` while batch ``k`` runs."""
+        return compat.peek_next_training_batch(self.lightning_module.trainer)
+
     def default_boundaries(self, num_stages: int) -> tuple[int, ...]:
         """Boundaries for ``num_stages`` stages following the ``partition`` argument's rule.
 
