@@ -44,10 +44,11 @@ def test_installed_command_resolves_project_modules():
     assert yaml.safe_load(result.stdout)["model"]["class_path"] == "examples.gpt.model.GPT"
 
 
-def test_fit_runs_a_config_on_two_processes(tmp_path):
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_config_trains_with_fast_dev_run(config, tmp_path):
     result = _cli(
-        "fit", "--config", str(ROOT / "examples/gpt/configs/cpu_2stage.yaml"), "--trainer.fast_dev_run=true",
-        f"--trainer.default_root_dir={tmp_path}", timeout=240,
+        "fit", "--config", str(config), "--trainer.fast_dev_run=true", f"--trainer.default_root_dir={tmp_path}",
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Running in `fast_dev_run` mode" in result.stderr + result.stdout
