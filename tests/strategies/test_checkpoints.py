@@ -113,3 +113,23 @@ def test_checkpoint_resumes_exactly_in_another_layout(saved, tmp_path, pp, layou
     )
     assert_same_parameters(resumed, saved["reference4"], atol=1e-10)
     assert_same_checkpoint(torch.load(_checkpoint(tmp_path), weights_only=False), saved["expected4"])
+
+
+@pytest.mark.timeout(120)
+def test_module_built_empty_on_meta_resumes_exactly(saved, tmp_path):
+    """`trainer.init_module(empty_init=True)` builds on the meta device (nothing allocated); setup gives
+    each rank its own units and the checkpoint fills them; training continues exactly."""
+    import lightning as L
+
+    from tests.helpers.training import SEED
+
+    L.seed_everything(SEED, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=pipeline(2), max_steps=4, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[every_two_steps(tmp_path)],
+    )
+    with trainer.init_module(empty_init=True):
+        model = make()
+    assert all(p.is_meta for p in model.parameters())
+    trainer.fit(model, loader(BATCHES), ckpt_path=saved["path"])
+    assert_same_checkpoint(torch.load(_checkpoint(tmp_path), weights_only=False), saved["expected4"])
