@@ -87,6 +87,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             backward), False, or a number of blocks per stage.
         mlp_chunk_size: run position-wise MLP submodules (named ``mlp``, ``ffn``, ``feed_forward``) in
             sequence chunks of this size (HelixPipe's chunked MLP); None: in one piece.
+        optimizer_offload: keep each stage's optimizer state and master weights in host memory and
+            step each stage on a worker thread as soon as its gradients are final (SPipe); see
+            docs/memory.md for what it does not support.
     """
 
     strategy_name = "elastic_pipe"
@@ -105,6 +108,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         recompute: RecomputeSpec = None,
         offload: bool | int = False,
         mlp_chunk_size: int | None = None,
+        optimizer_offload: bool = False,
     ) -> None:
         super().__init__()
         if pipeline_parallel_size is not None and pipeline_parallel_size < 1:
@@ -125,7 +129,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.boundaries: tuple[int, ...] = ()
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.last_migration: MigrationReport | None = None
-        self.memory = StrategyMemory(memory_budget, recompute, offload, mlp_chunk_size)  # see strategies/memory.py
+        self.memory = StrategyMemory(  # see strategies/memory.py
+            memory_budget, recompute, offload, mlp_chunk_size, optimizer_offload=optimizer_offload
+        )
         self.costs = StrategyCosts()  # cost models for planners; see strategies/costs.py
 
     # --- sizes and ranks -----------------------------------------------------------------------

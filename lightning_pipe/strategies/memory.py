@@ -46,6 +46,7 @@ from lightning_pipe.runtime.memory_profile import (
     sequence_lengths,
 )
 from lightning_pipe.runtime.microbatch import split_batch
+from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.schedules.ir import ActionType, Program
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class StrategyMemory:
         mlp_chunk_size: chunk size for position-wise MLPs (HelixPipe), or None.
         mlp_modules: attribute names of the MLP submodules to chunk.
         planning_margin: fraction of the budget kept free when planning (measurement noise).
+        optimizer_offload: per-stage host optimizers stepping during backward (SPipe,
+            ``runtime/optimizer_offload.py``).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class StrategyMemory:
         mlp_chunk_size: int | None = None,
         mlp_modules: Sequence[str] = DEFAULT_MLP_NAMES,
         planning_margin: float = 0.05,
+        optimizer_offload: bool = False,
     ) -> None:
         self.budget: int | None = None if memory_budget is None else parse_size(memory_budget)
         self.auto = recompute == "auto"
@@ -105,6 +109,10 @@ class StrategyMemory:
         self._strategy: Any = None
         self._planned_auto = False
         self._batch_tensors: list[Tensor] = []
+        self.optimizer_offload = optimizer_offload
+        self.stage_optimizers: StageOptimizers | None = None
+        self.last_stage_steps: dict[int, StageStep] = {}
+        self._offload_layout: tuple | None = None
 
     # --- wiring ----------------------------------------------------------------------------------
 
@@ -130,6 +138,12 @@ class StrategyMemory:
                 "splits backward into I and W passes (selective checkpointing allows one). Use `recompute='full'` or a "
                 "schedule without split backward (1f1b, gpipe, interleaved_1f1b)."
             )
+        if self.stage_optimizers is not None and self._offload_layout != (tuple(plan.boundaries), program.stage_to_rank):
+            raise ValueError(
+                "`optimizer_offload=True` keeps each stage's optimizer on the host of the rank that runs it; a plan that "
+                f"moves units (boundaries {tuple(plan.boundaries)}, placement {program.stage_to_rank}) is not supported. "
+                "Disable repartitioning callbacks or `optimizer_offload`."
+            )
         self.plan = memory
 
     def set_budget(self, budget: str | int | None) -> None:
@@ -141,7 +155,7 @@ class StrategyMemory:
     @property
     def active(self) -> bool:
         """Whether steps run with block wrappers and saved-activation accounting."""
-        return self.track or self.budget is not None or self.auto or not self.plan.is_empty
+        return self.track or self.budget is not None or self.auto or self.optimizer_offload or not self.plan.is_empty
 
     # --- steps -----------------------------------------------------------------------------------
 
@@ -154,6 +168,8 @@ class StrategyMemory:
             self._planned_auto = True
         if not self.active or self.runtime is None:
             return None
+        if self.optimizer_offload:
+            self._start_optimizer_offload()
         # the batch is held by the loader anyway: saved views of it (token ids) are not activations
         self._batch_tensors = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor)]
         spans, plan, runtime = self._strategy.spans, self.plan, self.runtime
@@ -177,6 +193,55 @@ class StrategyMemory:
             yield
         self.last_step = step
         self._batch_tensors = []
+        if self.stage_optimizers is not None:  # wait for the stage steps, weights back before the next forward
+            self.stage_optimizers.finish()
+            self.last_stage_steps = dict(self.stage_optimizers.records)
+
+    # --- optimizer offload -----------------------------------------------------------------------
+
+    def _start_optimizer_offload(self) -> None:
+        strategy = self._strategy
+        if self.stage_optimizers is None:
+            self.stage_optimizers = StageOptimizers(self._single_optimizer(), self._stage_parameters())
+            self._offload_layout = (tuple(strategy.boundaries), strategy.program.stage_to_rank)
+        self.stage_optimizers.start_step(strategy.num_microbatches)
+
+    def _single_optimizer(self) -> Optimizer:
+        strategy = self._strategy
+        trainer = strategy.lightning_module.trainer
+        problems = []
+        if len(strategy.optimizers) != 1:
+            problems.append(f"{len(strategy.optimizers)} optimizers (one is supported)")
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (1 is supported)")
+        if trainer.gradient_clip_val:
+            problems.append(f"gradient_clip_val={trainer.gradient_clip_val} (clipping needs every stage's gradients first)")
+        if strategy.layout.data_parallel_size > 1:
+            problems.append(f"data parallel size {strategy.layout.data_parallel_size} (gradients would have to be averaged first)")
+        if strategy._tied:
+            problems.append("parameters tied across ranks (their gradients are summed after the pipeline)")
+        if problems:
+            raise ValueError(f"`optimizer_offload=True` does not support: {'; '.join(problems)}.")
+        optimizer = strategy.optimizers[0]
+        return getattr(optimizer, "optimizer", optimizer)
+
+    def _stage_parameters(self) -> dict[int, list]:
+        strategy = self._strategy
+        layout = strategy.unit_layout
+        params = dict(strategy.lightning_module.named_parameters())
+        result = {}
+        for stage, span in strategy.spans.items():
+            units = [1 + b for b in range(span.first_block, span.end_block)]
+            units += [0] if span.is_first else []
+            units += [layout.num_units - 1] if span.is_last else []
+            names = [n for u in units for n in layout.unit_names[u] if n in params]
+            result[stage] = [params[n] for n in names if params[n].device.type != "meta"]
+        return result
+
+    def close(self) -> None:
+        """Stop optimizer-offload threads (teardown)."""
+        if self.stage_optimizers is not None:
+            self.stage_optimizers.close()
 
     # --- numbers for planners --------------------------------------------------------------------
 

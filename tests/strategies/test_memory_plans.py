@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -21,7 +22,7 @@ from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.schedules import resolve_schedule
 from lightning_pipe.strategies.memory import StrategyMemory, build_profile
 from tests.helpers.callbacks import RandomPlans
-from tests.helpers.loop import rank_files
+from tests.helpers.loop import ScheduledGPT, rank_files
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, reference_batches, token_batches
 
@@ -224,6 +225,39 @@ def test_auto_plan_is_chosen_once_under_the_budget(tmp_path):
         assert all(row["static"] + row["measured"] <= budget < none_peak for row in (first, second))
 
 
+def test_optimizer_offload_keeps_parity_and_steps_stages_during_backward(tmp_path):
+    """SPipe: host optimizers per stage (AdamW with a per-step learning-rate schedule), stepping as soon
+    as a stage's gradients are final; two stages per rank, so one steps while the other is in backward."""
+
+    class RecordSteps(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            strategy = trainer.strategy
+            steps = strategy.memory.last_stage_steps
+            user = trainer.optimizers[0]
+            row = {
+                "stages": sorted(steps),
+                "first_launch": min(r.launched for r in steps.values()),
+                "program_end": strategy.last_outcome.records[-1].end,
+                "user_state": sum(1 for p in pl_module.parameters() if p.device.type != "meta" and user.state.get(p)),
+                "host_state": sum(len(strategy.memory.stage_optimizers.host_optimizer(s).state) for s in steps),
+            }
+            with open(tmp_path / f"rank{strategy.layout.pipeline_rank}.txt", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    batches = token_batches(3, batch_size=4, lengths=[7, 11, 9])
+    make = lambda: ScheduledGPT(layers=8).double()  # noqa: E731
+    strategy = _strategy("interleaved_1f1b", optimizer_offload=True)
+    pipelined = fit(make, batches, strategy, devices=2, steps=3, callbacks=[RecordSteps()])
+    reference = fit(make, reference_batches(batches, 1), steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    records = _records(tmp_path)
+    assert sorted(records) == [0, 1] and all(len(rows) == 3 for rows in records.values())
+    for rank, rows in records.items():
+        for row in rows:
+            assert len(row["stages"]) == 2 and row["first_launch"] < row["program_end"]  # overlapped backward
+            assert row["user_state"] == 0 and row["host_state"] > 0
+
+
 def test_static_arguments_are_checked():
     with pytest.raises(ValueError, match="recompute='auto'.*memory_budget"):
         ElasticPipelineStrategy(recompute="auto")
@@ -234,6 +268,15 @@ def test_static_arguments_are_checked():
     strategy = ElasticPipelineStrategy(memory_budget="40GiB", recompute=2, offload=1, mlp_chunk_size=256)
     assert strategy.memory.budget == 40 * 2**30
     assert strategy.memory.static_plan.default == StageMemory(full=None, every=2, offload=1, mlp_chunk_size=256)
+    fake_trainer = SimpleNamespace(accumulate_grad_batches=2, gradient_clip_val=1.0)
+    fake = SimpleNamespace(
+        optimizers=[object()], lightning_module=SimpleNamespace(trainer=fake_trainer),
+        layout=SimpleNamespace(data_parallel_size=2), _tied=[],
+    )
+    offloading = StrategyMemory(optimizer_offload=True)
+    offloading._strategy = fake
+    with pytest.raises(ValueError, match="optimizer_offload=True.*accumulate_grad_batches=2.*gradient_clip_val=1.0.*data parallel"):
+        offloading._single_optimizer()
     memory = StrategyMemory(recompute="keep_attention")
     with pytest.raises(ValueError, match="zb_h1.*splits backward"):
         memory.install(PipelinePlan((0, 2, 4), "zb_h1", 4), resolve_schedule("zb_h1").build(2, 4))
