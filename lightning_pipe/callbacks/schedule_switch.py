@@ -1,19 +1,20 @@
-"""``ScheduleSwitch``: change the pipeline's schedule family between optimizer steps."""
+"""``ScheduleSwitch``: change the pipeline's schedule family between optimizer steps, by a rule or automatically."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Union
 
 import lightning as L
 
 from lightning_pipe.planning.plan import PipelinePlan
-from lightning_pipe.schedules import Schedule, resolve_schedule
+from lightning_pipe.schedules import AutoScheduleRow, Schedule, auto_schedule, resolve_schedule
 
 log = logging.getLogger(__name__)
 
-Rule = Union[Mapping[int, Any], Callable[[int], Any]]
+Rule = Union[Mapping[int, Any], Callable[[int], Any], Literal["auto"]]
+AUTO_CANDIDATES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv")
 
 
 class ScheduleSwitch(L.Callback):
@@ -22,17 +23,43 @@ class ScheduleSwitch(L.Callback):
     Args:
         rule: which schedule to run from a given step (or epoch) on: a mapping
             ``{0: "1f1b", 100: "zbv"}`` (the entry with the largest key not above the current count
-            applies) or a function of the count returning a schedule spec (name, DSL, ``Schedule``).
-        unit: whether the rule counts optimizer steps (``"step"``) or epochs (``"epoch"``).
+            applies), a function of the count returning a schedule spec (name, DSL, ``Schedule``), or
+            ``"auto"``: before every optimizer step, simulate ``candidates`` with the batch's costs
+            (``schedules.auto_schedule`` on the strategy's cost model: a ``PipelineProfiler``'s fit,
+            else the meta-device estimate) and switch to the fastest that fits ``memory_limit`` when
+            it beats the running family by more than ``margin``. Every rank decides the same (the
+            shapes of every data-parallel replica's batch are shared; the heaviest is planned for).
+        unit: whether the rule counts optimizer steps (``"step"``) or epochs (``"epoch"``); ``"auto"``
+            decides per step.
+        candidates: families ``"auto"`` chooses among (those needing more stages than blocks are skipped).
+        margin: ``"auto"`` switches only when the best is this fraction faster than the running one.
+        memory_limit: bytes per rank the simulated peak must fit (``"auto"``); None: no limit.
+        lengths_fn: ``lengths_fn(batch) -> one length per sample`` (``"auto"``); default: the token
+            tensor's ``[B, T]``.
 
     A switch to a family with another number of stages per rank (``zbv``, ``interleaved_1f1b``)
     re-partitions the blocks by the strategy's ``partition`` rule and migrates units live.
     """
 
-    def __init__(self, rule: Rule, unit: Literal["step", "epoch"] = "step") -> None:
+    def __init__(
+        self,
+        rule: Rule,
+        unit: Literal["step", "epoch"] = "step",
+        candidates: Sequence[Any] = AUTO_CANDIDATES,
+        margin: float = 0.02,
+        memory_limit: float | None = None,
+        lengths_fn: Callable[[Any], Sequence[int]] | None = None,
+    ) -> None:
         if unit not in ("step", "epoch"):
             raise ValueError(f"`ScheduleSwitch(unit={unit!r})`: use 'step' or 'epoch'.")
-        if isinstance(rule, Mapping):
+        if isinstance(rule, str):
+            if rule != "auto":
+                raise ValueError(f"`ScheduleSwitch(rule={rule!r})`: a text rule must be 'auto'; use a mapping for one family.")
+            if not candidates:
+                raise ValueError("`ScheduleSwitch('auto', candidates=())` has nothing to choose from.")
+            for spec in candidates:
+                resolve_schedule(spec)
+        elif isinstance(rule, Mapping):
             if not rule:
                 raise ValueError("`ScheduleSwitch(rule={})` names no schedule; give at least one entry like {0: '1f1b'}.")
             for spec in rule.values():
@@ -41,9 +68,16 @@ class ScheduleSwitch(L.Callback):
             raise TypeError(f"`ScheduleSwitch(rule=...)` takes a mapping or a callable, got {type(rule).__name__}.")
         self.rule = rule
         self.unit = unit
+        self.candidates = tuple(candidates)
+        self.margin = margin
+        self.memory_limit = memory_limit
+        self.lengths_fn = lengths_fn
         self.switches: list[tuple[int, str]] = []
+        self.last_rows: list[AutoScheduleRow] = []  # "auto": the latest ranking, best first
 
     def _schedule_for(self, count: int) -> Schedule:
+        if self.rule == "auto":
+            raise AssertionError("'auto' is decided per batch")
         if callable(self.rule):
             return resolve_schedule(self.rule(count))
         keys = [k for k in sorted(self.rule) if k <= count]
@@ -55,7 +89,7 @@ class ScheduleSwitch(L.Callback):
             return
         strategy = trainer.strategy
         count = trainer.global_step if self.unit == "step" else trainer.current_epoch
-        schedule = self._schedule_for(count)
+        schedule = self._auto_schedule(strategy, batch) if self.rule == "auto" else self._schedule_for(count)
         if schedule == strategy.schedule:
             return
         num_stages = strategy.pipeline_parallel_size * schedule.stages_per_rank
@@ -63,3 +97,32 @@ class ScheduleSwitch(L.Callback):
         strategy.apply_plan(PipelinePlan(boundaries, schedule, strategy.num_microbatches))
         self.switches.append((count, schedule.name))
         log.info("ScheduleSwitch: %s %d -> schedule %s", self.unit, count, schedule.name)
+
+    def _auto_schedule(self, strategy: Any, batch: Any) -> Schedule:
+        """The fastest candidate for this batch's costs, or the running schedule (see ``rule="auto"``)."""
+        costs = strategy.costs
+        per_replica = costs.replica_values(costs.microbatch_lengths(batch, self.lengths_fn))
+        if costs.estimate is None:
+            lengths = [n for replica in per_replica for mb in replica for n in mb]
+            costs.use(costs.meta_estimate(batch, max(lengths), max(len(mb) for r in per_replica for mb in r)))
+        model = costs.estimate.cost_model
+        shapes = costs.shapes(costs.heaviest(per_replica))
+        ranks = strategy.pipeline_parallel_size
+
+        def stage_costs(num_stages: int) -> Any:
+            same = num_stages == len(strategy.boundaries) - 1
+            return model.stage_costs(strategy.boundaries if same else strategy.default_boundaries(num_stages), shapes)
+
+        def fitting(specs: Sequence[Any]) -> list[Any]:
+            schedules = [resolve_schedule(spec) for spec in specs]
+            return [s for s in schedules if ranks * s.stages_per_rank <= model.num_blocks]
+
+        rows = auto_schedule(stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=fitting(self.candidates))
+        running = auto_schedule(stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=[strategy.schedule])
+        self.last_rows = rows
+        if not rows or not running or not rows[0].fits:
+            return strategy.schedule
+        best, now = rows[0], running[0]
+        if now.fits and best.makespan >= now.makespan * (1.0 - self.margin):
+            return strategy.schedule
+        return best.schedule

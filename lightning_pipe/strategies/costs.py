@@ -29,7 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_pipe.planning.cost_model import MicrobatchShape
+from lightning_pipe.model.blocks import BlockStack
+from lightning_pipe.model.units import UnitLayout
+from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.cost_probe import (
@@ -128,6 +130,10 @@ class StrategyCosts:
         """Make ``estimate`` the model planners use."""
         self.estimate = estimate
 
+    def use_model(self, cost_model: CostModel) -> None:
+        """Use a plain ``CostModel`` (lengths read as the batch gives them)."""
+        self.use(CostEstimate(cost_model, 0, "given"))
+
     def load(self, path: str | Path) -> CostEstimate:
         """Read a JSON profile (``CostModel.save`` or ``PipelineProfiler``'s) and use it."""
         import json
@@ -135,12 +141,6 @@ class StrategyCosts:
         data = json.loads(Path(path).read_text())
         self.use(CostEstimate.from_dict(data))
         return self.estimate
-
-    def _probe_shapes(self, max_length: int, num_sequences: int) -> list[tuple[int, int]]:
-        half, quarter = max(2, math.ceil(max_length / 2)), max(2, math.ceil(max_length / 4))
-        shapes = [(num_sequences, max_length), (num_sequences, half), (2 * num_sequences, quarter)]
-        shapes.append((max(1, num_sequences // 2) if num_sequences > 1 else 2, max_length))
-        return list(dict.fromkeys(shapes))
 
     def meta_estimate(self, batch: Any, max_length: int, num_sequences: int) -> CostEstimate:
         """A cost model from the meta-device probe (no profiling), identical on every rank.
@@ -151,16 +151,11 @@ class StrategyCosts:
             num_sequences: samples per probe microbatch (every rank must pass the same).
         """
         strategy = self._strategy
-        module = strategy.lightning_module
         microbatch = split_batch(batch, strategy.num_microbatches)[0]
-        device = strategy.root_device
-        counts = count_units(
-            module, strategy.runner.stack, "training_step", (microbatch, 0),
-            self._probe_shapes(max_length, num_sequences), self.speed or DeviceSpeed.for_device(device),
+        return estimate_costs(
+            strategy.lightning_module, strategy.runner.stack, strategy.unit_layout, microbatch, max_length,
+            num_sequences, strategy.root_device, strategy.memory.static_bytes_per_parameter_byte() - 2.0, self.speed,
         )
-        latency, bandwidth = _LINK.get(device.type, _LINK["cuda"])
-        states = strategy.memory.static_bytes_per_parameter_byte() - 2.0
-        return fit_cost_model(counts, module, strategy.unit_layout, states, latency, bandwidth)
 
     def profile(
         self,
@@ -187,10 +182,12 @@ class StrategyCosts:
         strategy = self._strategy
         microbatch = split_batch(batch, strategy.num_microbatches)[0]
         params = [p for p in strategy.lightning_module.parameters() if not p.is_meta]
-        timings = time_units(
-            strategy.runner, "training_step", (microbatch, batch_index), list(strategy.spans.values()), shapes, params,
-            strategy.root_device, repeats, warmup, strategy.precision_plugin.train_step_context,
-        )
+        timings = []
+        if strategy.layout.data_parallel_rank == 0:  # replicas hold the same units: one pipeline times them
+            timings = time_units(
+                strategy.runner, "training_step", (microbatch, batch_index), list(strategy.spans.values()), shapes,
+                params, strategy.root_device, repeats, warmup, strategy.precision_plugin.train_step_context,
+            )
         gathered = strategy.gather_from_pipeline(timings)
         estimate = None
         if strategy.global_rank == 0:
@@ -263,6 +260,96 @@ class StrategyCosts:
             len(longest), max(longest), list(plan.boundaries), plan.step_seconds,
         )
         return plan.boundaries
+
+
+def probe_shapes(max_length: int, num_sequences: int) -> list[tuple[int, int]]:
+    """The meta probe's ``(num_sequences, length)`` grid: full, half and quarter length, two sizes."""
+    half, quarter = max(2, math.ceil(max_length / 2)), max(2, math.ceil(max_length / 4))
+    shapes = [(num_sequences, max_length), (num_sequences, half), (2 * num_sequences, quarter)]
+    shapes.append((max(1, num_sequences // 2) if num_sequences > 1 else 2, max_length))
+    return list(dict.fromkeys(shapes))
+
+
+def estimate_costs(
+    module: torch.nn.Module,
+    stack: BlockStack,
+    layout: UnitLayout,
+    microbatch: Any,
+    max_length: int,
+    num_sequences: int,
+    device: torch.device,
+    optimizer_states_per_parameter: float = 2.0,
+    speed: DeviceSpeed | None = None,
+) -> CostEstimate:
+    """The meta-device cost model of ``module`` (``runtime.cost_probe``) for microbatches like ``microbatch``.
+
+    Args:
+        module: the user's module.
+        stack: its block stack.
+        layout: its units.
+        microbatch: an example microbatch (structure and dtypes only).
+        max_length: the longest sample length to probe.
+        num_sequences: samples per probe microbatch.
+        device: the device training runs on (sets the assumed speed and link).
+        optimizer_states_per_parameter: optimizer state tensors per trained parameter.
+        speed: the assumed device; None: :meth:`DeviceSpeed.for_device`.
+    """
+    counts = count_units(
+        module, stack, "training_step", (microbatch, 0), probe_shapes(max_length, num_sequences),
+        speed or DeviceSpeed.for_device(device),
+    )
+    latency, bandwidth = _LINK.get(torch.device(device).type, _LINK["cuda"])
+    return fit_cost_model(counts, module, layout, optimizer_states_per_parameter, latency, bandwidth)
+
+
+def profile_grid(max_length: int, num_sequences: int) -> list[tuple[int, int]]:
+    """The profiler's default ``(num_sequences, length)`` grid: 4 lengths down to a quarter, 2 sizes."""
+    lengths = dict.fromkeys(max(2, round(max_length * f)) for f in (1.0, 0.75, 0.5, 0.25))
+    sizes = dict.fromkeys((num_sequences, max(1, num_sequences // 2)))
+    return [(b, n) for n in lengths for b in sizes]
+
+
+def profile_module(
+    module: torch.nn.Module,
+    microbatch: Any,
+    shapes: Sequence[tuple[int, int]],
+    blocks: str | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    holdout_fraction: float = 0.25,
+    optimizer_states_per_parameter: float = 2.0,
+) -> CostEstimate:
+    """Profile a whole module in this process (no strategy, no process group): time every unit on
+    ``shapes``, fit, and return the :class:`CostEstimate` (``lightning-pipe-profile`` uses this).
+
+    Args:
+        module: the user's module, on the device to profile.
+        microbatch: an example microbatch on that device (values are reused to make the probes).
+        shapes: ``(num_sequences, length)`` of every probe microbatch.
+        blocks: dotted path of the block stack; None: found automatically.
+        repeats: timed runs per shape (median kept).
+        warmup: untimed runs per shape first.
+        holdout_fraction: share of samples held out to report each fit's error.
+        optimizer_states_per_parameter: optimizer state tensors per trained parameter (2: Adam).
+    """
+    from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
+
+    stack = find_blocks(module, blocks)
+    layout = analyze_units(module, stack)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    runner = StageRunner(module, stack)
+    try:
+        span = StageSpan(0, 0, stack.num_blocks, stack.num_blocks)
+        timings = time_units(
+            runner, "training_step", (microbatch, 0), [span], shapes, list(module.parameters()), device, repeats, warmup
+        )
+    finally:
+        runner.remove()
+    template = estimate_costs(
+        module, stack, layout, microbatch, max(n for _, n in shapes), max(b for b, _ in shapes), device,
+        optimizer_states_per_parameter,
+    )
+    return fit_timings(timings, template, holdout_fraction)
 
 
 def _split(lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:

@@ -1,0 +1,347 @@
+"""``ElasticRepartition``: before every batch, plan the partition for it and migrate when it pays off.
+
+For each batch the callback
+
+1. reads the microbatch shapes (sample lengths, split as the strategy splits the batch; with data
+   parallelism, every replica's batch, and plans for the one with the most work: all replicas run
+   one partition);
+2. finds the exact best partition for those shapes under the strategy's schedule
+   (:func:`~lightning_pipe.planning.plan_partition` on the cost model), and predicts the step with
+   the partition in use and with the candidate, on this batch and on the last ``recent_steps``;
+3. decides with :func:`~lightning_pipe.planning.decide_repartition`, pricing a migration at the
+   mean *measured* migration seconds (before the first migration, the planning estimate from the
+   cost model's link), and predictions rescaled by the measured step times;
+4. applies the candidate with ``strategy.apply_plan`` (live migration of parameters, gradients of an
+   open accumulation window, optimizer state).
+
+Lookahead: Lightning's loop has the next batch ready (``_lightning_compat.peek_next_training_batch``),
+so while batch ``k`` trains, a background thread plans batch ``k + 1``; ``on_train_batch_start`` of
+``k + 1`` joins it. Planning is pure numpy (no torch, no collectives) and the plan is a function of
+(batch shapes, partition in use, recent shapes, schedule, settings, cost model) only, so every rank
+computes the same plan whether it was looked ahead or not. The numbers that are measured (step and
+migration seconds) are replaced by their maximum over all ranks before they feed a decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import lightning as L
+
+from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
+from lightning_pipe.planning.memory_model import parse_size
+from lightning_pipe.planning.migration import estimate_migration
+from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
+from lightning_pipe.planning.trigger import StepPrediction, TriggerConfig, TriggerDecision, decide_repartition
+
+log = logging.getLogger(__name__)
+
+Trigger = Union[str, int]
+
+
+@dataclass(frozen=True)
+class RepartitionStep:
+    """What :class:`ElasticRepartition` did for one batch (one entry of ``history``).
+
+    Attributes:
+        batch_idx: the batch.
+        global_step: optimizer steps done before it.
+        boundaries: the partition the batch ran with.
+        candidate: the best partition for the batch.
+        predicted_step_seconds: predicted seconds of the step with ``boundaries`` (rescaled by
+            measured step times).
+        measured_step_seconds: wall seconds from after the decision to the end of the batch, the
+            maximum over ranks (migration excluded).
+        migrated: whether units moved before the batch.
+        reason: the trigger's reason.
+        migrated_bytes: bytes this rank sent and received in the migration.
+        migration_seconds: wall seconds of the migration, maximum over ranks (0 without one).
+        planning_seconds: wall seconds spent planning this batch (in the background if looked ahead).
+        looked_ahead: whether the plan was made while the previous batch ran.
+    """
+
+    batch_idx: int
+    global_step: int
+    boundaries: tuple[int, ...]
+    candidate: tuple[int, ...]
+    predicted_step_seconds: float
+    measured_step_seconds: float
+    migrated: bool
+    reason: str
+    migrated_bytes: int
+    migration_seconds: float
+    planning_seconds: float
+    looked_ahead: bool
+
+
+@dataclass(frozen=True)
+class _PlanKey:
+    model: CostModel
+    shapes: tuple[MicrobatchShape, ...]
+    current: tuple[int, ...]
+    schedule: Any
+    recent: tuple[tuple[MicrobatchShape, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    candidate: PartitionPlan
+    current: PartitionPlan
+    recent: tuple[StepPrediction, ...]
+    seconds: float
+
+
+class _Job:
+    """One plan computed in a background thread."""
+
+    def __init__(self, key: _PlanKey, compute: Callable[[_PlanKey], _Plan]) -> None:
+        self.key = key
+        self.result: _Plan | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(compute,), name="ElasticRepartition-plan", daemon=True)
+        self.thread.start()
+
+    def _run(self, compute: Callable[[_PlanKey], _Plan]) -> None:
+        try:
+            self.result = compute(self.key)
+        except BaseException as error:  # re-raised in the training thread by join()
+            self.error = error
+
+    def join(self) -> _Plan:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class ElasticRepartition(L.Callback):
+    """Repartition the pipeline's blocks per batch (see the module docstring).
+
+    Args:
+        cost_model: None (the strategy's: a ``PipelineProfiler``'s profile or ``partition="auto"``'s
+            model if there is one, else the meta-device estimate from the first batch), a path to a
+            JSON profile (``CostModel.save`` or ``PipelineProfiler(output=...)``), or a ``CostModel``.
+        trigger: ``"auto"`` (migrate when the predicted gain over ``horizon_steps`` beats the
+            migration cost by ``margin``), ``"always"`` (whenever the best partition differs; for
+            tests), ``"never"`` (plan and log only), or an integer ``n`` (every ``n`` steps).
+        margin: in ``"auto"``, the gain must exceed the migration seconds by this fraction.
+        horizon_steps: in ``"auto"``, steps a gain is assumed to last.
+        memory_limit: bytes per rank (or ``"60GiB"``) the plan's simulated peak memory must fit; a
+            partition in use that would not fit the coming batch is left in every mode.
+        lengths_fn: ``lengths_fn(batch) -> one length per sample``; default: ``B`` samples of
+            length ``T`` from the batch's token tensor ``[B, T]`` (its first integer 2-D tensor).
+        recent_steps: batches just trained on which both partitions are compared (the trigger's
+            forecast; keeps it from oscillating).
+        lookahead: plan the next batch in the background while the current one trains.
+        relative_gap: accept plans within this fraction of the optimum (faster planning).
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel | str | Path | None = None,
+        trigger: Trigger = "auto",
+        margin: float = 0.25,
+        horizon_steps: int = 16,
+        memory_limit: int | str | None = None,
+        lengths_fn: Callable[[Any], Sequence[int]] | None = None,
+        recent_steps: int = 4,
+        lookahead: bool = True,
+        relative_gap: float = 0.0,
+    ) -> None:
+        if isinstance(trigger, bool) or not isinstance(trigger, (str, int)):
+            raise TypeError(f"`ElasticRepartition(trigger=...)` takes 'auto', 'always', 'never' or an int, got {trigger!r}.")
+        if isinstance(trigger, int):
+            if trigger < 1:
+                raise ValueError(f"`ElasticRepartition(trigger={trigger})`: an interval must be >= 1 steps.")
+            self.config = TriggerConfig("interval", margin, horizon_steps, trigger)
+        elif trigger in ("auto", "always", "never"):
+            self.config = TriggerConfig(trigger, margin, horizon_steps)
+        else:
+            raise ValueError(f"`ElasticRepartition(trigger={trigger!r})`: use 'auto', 'always', 'never' or an int.")
+        if recent_steps < 0:
+            raise ValueError(f"`ElasticRepartition(recent_steps={recent_steps})` must be >= 0.")
+        if cost_model is not None and not isinstance(cost_model, (CostModel, str, Path)):
+            raise TypeError(
+                f"`ElasticRepartition(cost_model=...)` takes None, a CostModel or a profile path, got {type(cost_model).__name__}."
+            )
+        self.cost_model = cost_model
+        self.memory_limit = None if memory_limit is None else parse_size(memory_limit)
+        self.lengths_fn = lengths_fn
+        self.recent_steps = recent_steps
+        self.lookahead = lookahead
+        self.relative_gap = relative_gap
+        self.history: list[RepartitionStep] = []
+        self._recent: deque[tuple[MicrobatchShape, ...]] = deque(maxlen=recent_steps)
+        self._job: _Job | None = None
+        self._migration_seconds: list[float] = []
+        self._time_scale = 1.0  # measured / predicted step seconds (running average)
+        self._time_scale_count = 0
+        self._pending: dict[str, Any] = {}
+        self._model_ready = False
+        self._strategy: Any = None
+
+    # --- Lightning hooks ---------------------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Check that the Trainer runs the pipeline strategy."""
+        costs = getattr(trainer.strategy, "costs", None)
+        if costs is None or not hasattr(trainer.strategy, "apply_plan"):
+            raise TypeError(
+                f"`ElasticRepartition` needs `strategy='elastic_pipe'` (ElasticPipelineStrategy), the Trainer runs "
+                f"`{type(trainer.strategy).__name__}`."
+            )
+        self._strategy = trainer.strategy
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Plan this batch (or take the plan made while the last one ran), decide, migrate, look ahead."""
+        strategy = trainer.strategy
+        costs = strategy.costs
+        current_lengths = costs.microbatch_lengths(batch, self.lengths_fn)
+        found, upcoming = strategy.peek_next_batch() if self.lookahead else (False, None)
+        upcoming_lengths = costs.microbatch_lengths(upcoming, self.lengths_fn) if found else None
+        everyone = costs.replica_values((current_lengths, upcoming_lengths))
+        if not self._model_ready:
+            self._set_cost_model(strategy, batch, [e[0] for e in everyone])
+        model = costs.estimate.cost_model
+        shapes = tuple(costs.shapes(costs.heaviest([e[0] for e in everyone])))
+        key = _PlanKey(model, shapes, tuple(strategy.boundaries), strategy.schedule, tuple(self._recent))
+        looked_ahead = self._job is not None and self._job.key == key
+        plan = self._job.join() if looked_ahead else self._plan(key)
+        if self._job is not None and not looked_ahead:
+            self._job.join()  # a stale plan (the schedule or partition changed since): drop it
+        self._job = None
+
+        decision = self._decide(strategy, trainer, plan, batch_idx)
+        report = None
+        if decision.migrate:
+            report = strategy.apply_plan(dataclasses.replace(strategy.plan, boundaries=plan.candidate.boundaries))
+        predicted = plan.candidate.step_seconds if decision.migrate else plan.current.step_seconds
+        self._recent.append(shapes)
+
+        if self.lookahead and all(e[1] is not None for e in everyone):
+            upcoming_shapes = tuple(costs.shapes(costs.heaviest([e[1] for e in everyone])))
+            next_key = _PlanKey(model, upcoming_shapes, tuple(strategy.boundaries), strategy.schedule, tuple(self._recent))
+            self._job = _Job(next_key, self._plan)
+        self._pending.update(
+            batch_idx=batch_idx, global_step=trainer.global_step, candidate=plan.candidate.boundaries,
+            predicted=predicted, decision=decision, report=report, planning_seconds=plan.seconds,
+            looked_ahead=looked_ahead, started=time.perf_counter(),
+        )
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Measure the step, agree on measurements across ranks, log, keep ``history``."""
+        pending = self._pending
+        if pending.get("batch_idx") != batch_idx:
+            return
+        costs = trainer.strategy.costs
+        measured = costs.max_over_ranks(time.perf_counter() - pending["started"])
+        report = pending["report"]
+        migration_seconds = 0.0
+        if report is not None:  # every rank migrated: the collective is reached by all
+            migration_seconds = costs.max_over_ranks(report.seconds)
+            self._migration_seconds.append(migration_seconds)
+        predicted = pending["predicted"] * self._time_scale
+        if pending["global_step"] > 0 and pending["predicted"] > 0:  # the first step includes warm-up
+            ratio = measured / pending["predicted"]
+            self._time_scale_count += 1
+            self._time_scale += (ratio - self._time_scale) / min(self._time_scale_count, 8)
+        step = RepartitionStep(
+            batch_idx=batch_idx,
+            global_step=pending["global_step"],
+            boundaries=tuple(trainer.strategy.boundaries),
+            candidate=tuple(pending["candidate"]),
+            predicted_step_seconds=predicted,
+            measured_step_seconds=measured,
+            migrated=report is not None,
+            reason=pending["decision"].reason,
+            migrated_bytes=0 if report is None else report.bytes_sent + report.bytes_received,
+            migration_seconds=migration_seconds,
+            planning_seconds=pending["planning_seconds"],
+            looked_ahead=pending["looked_ahead"],
+        )
+        self.history.append(step)
+        metrics = {f"elastic/boundary{k}": float(b) for k, b in enumerate(step.boundaries)}
+        metrics.update({
+            "elastic/predicted_step_s": step.predicted_step_seconds,
+            "elastic/measured_step_s": step.measured_step_seconds,
+            "elastic/migrated": float(step.migrated),
+            "elastic/migrated_bytes": float(step.migrated_bytes),
+            "elastic/migration_s": step.migration_seconds,
+            "elastic/planning_s": step.planning_seconds,
+            "elastic/looked_ahead": float(step.looked_ahead),
+        })
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        log.debug("ElasticRepartition: %s", step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Finish a plan still running in the background."""
+        if self._job is not None:
+            self._job.thread.join()
+            self._job = None
+
+    # --- planning ------------------------------------------------------------------------------------
+
+    def _set_cost_model(self, strategy: Any, batch: Any, per_replica: list[list[list[int]]]) -> None:
+        costs = strategy.costs
+        if isinstance(self.cost_model, (str, Path)):
+            costs.load(self.cost_model)
+        elif isinstance(self.cost_model, CostModel):
+            costs.use_model(self.cost_model)
+        elif costs.estimate is None:
+            lengths = [n for replica in per_replica for mb in replica for n in mb]
+            sizes = [len(mb) for replica in per_replica for mb in replica]
+            costs.use(costs.meta_estimate(batch, max(lengths), max(sizes)))
+        self._model_ready = True
+
+    def _plan(self, key: _PlanKey) -> _Plan:
+        strategy = self._strategy
+        model = key.model
+        started = time.perf_counter()
+        ranks = strategy.pipeline_parallel_size
+        candidate = plan_partition(
+            model, key.shapes, key.schedule, ranks, self.memory_limit, candidates=[key.current],
+            relative_gap=self.relative_gap,
+        )
+        current = evaluate_partition(model, key.shapes, key.schedule, ranks, key.current)
+        recent = tuple(
+            StepPrediction(
+                evaluate_partition(model, shapes, key.schedule, ranks, key.current).step_seconds,
+                evaluate_partition(model, shapes, key.schedule, ranks, candidate.boundaries).step_seconds,
+            )
+            for shapes in key.recent
+            if len(shapes) == len(key.shapes)
+        )
+        return _Plan(candidate, current, recent, time.perf_counter() - started)
+
+    def _decide(self, strategy: Any, trainer: L.Trainer, plan: _Plan, batch_idx: int) -> TriggerDecision:
+        differs = tuple(plan.candidate.boundaries) != tuple(strategy.boundaries)
+        if self._migration_seconds:
+            migration_seconds = sum(self._migration_seconds) / len(self._migration_seconds)
+        elif differs:
+            migration_seconds = estimate_migration(
+                strategy.costs.estimate.cost_model, strategy.boundaries, plan.candidate.boundaries,
+                strategy.program.stage_to_rank, include_gradients=batch_idx % trainer.accumulate_grad_batches != 0,
+            ).seconds
+        else:
+            migration_seconds = 0.0
+        scale = self._time_scale
+
+        def scaled(p: StepPrediction) -> StepPrediction:
+            return StepPrediction(p.current_seconds * scale, p.candidate_seconds * scale)
+
+        coming = [scaled(StepPrediction(plan.current.step_seconds, plan.candidate.step_seconds))]
+        return decide_repartition(
+            self.config, trainer.global_step, migration_seconds, coming, [scaled(p) for p in plan.recent],
+            candidate_differs=differs, current_fits=plan.current.fits(self.memory_limit),
+        )

@@ -1,0 +1,149 @@
+"""ElasticRepartition, partition='auto' and ScheduleSwitch('auto'): plans change, results do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipe import ElasticPipelineStrategy
+from lightning_pipe.callbacks import ElasticRepartition, ScheduleSwitch
+from lightning_pipe.model import analyze_units, find_blocks
+from lightning_pipe.planning import CostModel, LinearCost, MicrobatchShape, UnitCost, plan_partition
+from lightning_pipe.strategies.costs import estimate_costs
+from tests.helpers.callbacks import RecordPlans, read_plans
+from tests.helpers.models import TinyGPT
+from tests.helpers.training import (
+    SEED,
+    START_METHOD,
+    assert_same_parameters,
+    fit,
+    logged,
+    reference_batches,
+    token_batches,
+)
+
+VOCAB = 1024  # a head worth a few blocks on short batches and less on long ones: the best partition moves
+
+
+def _alternating_batches(num: int, data_parallel: int, short: int = 6, long: int = 60) -> list:
+    """Short and long steps in turn; replicas of one step get batches of one length (the reference
+    run concatenates them), whatever order the distributed sampler draws."""
+    order = torch.randperm(num, generator=torch.Generator().manual_seed(SEED)).tolist()
+    lengths = [0] * num
+    for position, index in enumerate(order):
+        lengths[index] = short if (position // data_parallel) % 2 == 0 else long
+    return token_batches(num, batch_size=4, lengths=lengths, vocab=VOCAB)
+
+
+def _attention_heavy_model(num_blocks: int = 8) -> CostModel:
+    """Blocks quadratic in length, a linear head: the best 4-stage partition differs per length."""
+    block = UnitCost("block", LinearCost(0, 1e-6, 1e-7), LinearCost(0, 2e-6, 2e-7), parameter_bytes=1e4)
+    pre = UnitCost("pre", LinearCost(0, 1e-7, 0), LinearCost(0, 1e-7, 0))
+    post = UnitCost("post", LinearCost(0, 5e-6, 0), LinearCost(0, 1e-5, 0))
+    return CostModel((pre, *[block] * num_blocks, post), latency=1e-5, bandwidth=1e9)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "optimizer", "accumulate", "given_model"),
+    [
+        (2, 1, "adamw", 2, False),  # the meta-device cost model, migrations inside accumulation windows
+        (4, 1, "sgd", 1, True),  # a JSON profile, momentum buffers migrate
+        (2, 2, "sgd", 2, False),  # replicas agree on one partition
+    ],
+)
+def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer, accumulate, given_model):
+    steps = 3
+    batches = _alternating_batches(steps * accumulate * dp, dp)
+    cost_model = None
+    if given_model:
+        cost_model = tmp_path / "profile.json"
+        _attention_heavy_model().save(cost_model)
+    make = lambda: TinyGPT(layers=8, vocab=VOCAB, optimizer=optimizer).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=pp, num_microbatches=4, start_method=START_METHOD)
+    callbacks = [ElasticRepartition(cost_model=cost_model, trigger="always"), RecordPlans(str(tmp_path / "plans.jsonl"))]
+    pipelined = fit(
+        make, batches, strategy, devices=pp * dp, steps=steps, accumulate_grad_batches=accumulate,
+        callbacks=callbacks, log_dir=tmp_path,
+    )
+    reference = fit(make, reference_batches(batches, dp), steps=steps, accumulate_grad_batches=accumulate)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    partitions = [tuple(plan["boundaries"]) for plan in read_plans(tmp_path / "plans.jsonl")]
+    assert len(partitions) == steps * accumulate and len(set(partitions)) >= 2  # the partition did change
+    assert all(len(p) == pp + 1 for p in partitions)
+    assert max(logged(tmp_path, "elastic/migrated_bytes")) > 0
+    assert max(logged(tmp_path, "elastic/looked_ahead")) == 1.0  # later batches were planned in the background
+    assert all(s >= 0 for s in logged(tmp_path, "elastic/planning_s"))
+
+
+def test_partition_auto_plans_the_longest_batch_once(tmp_path):
+    lengths = [5, 9, 33, 7, 12, 6]
+    batches = token_batches(len(lengths), batch_size=4, lengths=lengths, vocab=VOCAB)
+    make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, partition="auto", start_method=START_METHOD
+    )
+    pipelined = fit(make, batches, strategy, devices=2, steps=3, callbacks=[RecordPlans(str(tmp_path / "plans.jsonl"))])
+    reference = fit(make, reference_batches(batches, 1), steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+
+    # what the strategy must have planned: the meta-device model, the longest batch ([4, 34] ids)
+    model = make()
+    stack = find_blocks(model)
+    estimate = estimate_costs(
+        model, stack, analyze_units(model, stack), batches[2][:1], 34, 1, torch.device("cpu"), 2.0
+    )
+    expected = plan_partition(estimate.cost_model, [estimate.shape([34])] * 4, "1f1b", 2).boundaries
+    assert [tuple(p["boundaries"]) for p in read_plans(tmp_path / "plans.jsonl")] == [expected] * 3
+
+
+def test_schedule_switch_auto_moves_to_the_fastest_family(tmp_path):
+    batches = token_batches(3, batch_size=4, lengths=[9, 30, 14], vocab=VOCAB)
+    make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, schedule="gpipe", start_method=START_METHOD
+    )
+    switch = ScheduleSwitch("auto", candidates=["gpipe", "zb_h1"])
+    pipelined = fit(
+        make, batches, strategy, devices=2, steps=3, callbacks=[switch, RecordPlans(str(tmp_path / "plans.jsonl"))]
+    )
+    reference = fit(make, reference_batches(batches, 1), steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    schedules = [p["schedule"] for p in read_plans(tmp_path / "plans.jsonl")]
+    assert schedules == ["zb_h1"] * 3  # zero-bubble H1 simulates faster than GPipe for every batch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"trigger": "sometimes"}, ValueError, "use 'auto', 'always', 'never' or an int"),
+        ({"trigger": 0}, ValueError, "an interval must be >= 1"),
+        ({"trigger": True}, TypeError, "takes 'auto', 'always', 'never' or an int"),
+        ({"cost_model": 3.0}, TypeError, "takes None, a CostModel or a profile path"),
+        ({"recent_steps": -1}, ValueError, "must be >= 0"),
+        ({"memory_limit": "lots"}, ValueError, "Cannot read the size"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ElasticRepartition(**kwargs)
+
+
+def test_the_trigger_settings_reach_the_planner():
+    assert ElasticRepartition(trigger=5).config.interval == 5
+    callback = ElasticRepartition(trigger="auto", margin=0.5, horizon_steps=4, memory_limit="1GiB")
+    assert (callback.config.mode, callback.config.margin, callback.config.horizon_steps) == ("auto", 0.5, 4)
+    assert callback.memory_limit == 2**30
+
+
+def test_schedule_switch_auto_refuses_other_texts_and_empty_candidates():
+    with pytest.raises(ValueError, match="a text rule must be 'auto'"):
+        ScheduleSwitch("fastest")
+    with pytest.raises(ValueError, match="nothing to choose from"):
+        ScheduleSwitch("auto", candidates=())
+
+
+def test_the_attention_heavy_model_moves_the_four_stage_partition():
+    """The premise of the 4-stage parity case: short and long batches (ids of 7 and 61) plan differently."""
+    model = _attention_heavy_model()
+    plans = {plan_partition(model, [MicrobatchShape.from_lengths([n])] * 4, "1f1b", 4).boundaries for n in (7, 61)}
+    assert len(plans) == 2
