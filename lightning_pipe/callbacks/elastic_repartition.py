@@ -112,7 +112,7 @@ class _Job:
     def _run(self, compute: Callable[[_PlanKey], _Plan]) -> None:
         try:
             self.result = compute(self.key)
-        except BaseException as error:  # re-raised in the training thread by join()
+        except BaseException as error:  # noqa: BLE001  (re-raised in the training thread by join())
             self.error = error
 
     def join(self) -> _Plan:
@@ -158,7 +158,9 @@ class ElasticRepartition(L.Callback):
         relative_gap: float = 0.0,
     ) -> None:
         if isinstance(trigger, bool) or not isinstance(trigger, (str, int)):
-            raise TypeError(f"`ElasticRepartition(trigger=...)` takes 'auto', 'always', 'never' or an int, got {trigger!r}.")
+            raise TypeError(
+                f"`ElasticRepartition(trigger=...)` takes 'auto', 'always', 'never' or an int, got {trigger!r}."
+            )
         if isinstance(trigger, int):
             if trigger < 1:
                 raise ValueError(f"`ElasticRepartition(trigger={trigger})`: an interval must be >= 1 steps.")
@@ -201,7 +203,9 @@ class ElasticRepartition(L.Callback):
             )
         self._strategy = trainer.strategy
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """Plan this batch (or take the plan made while the last one ran), decide, migrate, look ahead."""
         strategy = trainer.strategy
         costs = strategy.costs
@@ -229,12 +233,20 @@ class ElasticRepartition(L.Callback):
 
         if self.lookahead and all(e[1] is not None for e in everyone):
             upcoming_shapes = tuple(costs.shapes(costs.heaviest([e[1] for e in everyone])))
-            next_key = _PlanKey(model, upcoming_shapes, tuple(strategy.boundaries), strategy.schedule, tuple(self._recent))
+            next_key = _PlanKey(
+                model, upcoming_shapes, tuple(strategy.boundaries), strategy.schedule, tuple(self._recent)
+            )
             self._job = _Job(next_key, self._plan)
         self._pending.update(
-            batch_idx=batch_idx, global_step=trainer.global_step, candidate=plan.candidate.boundaries,
-            predicted=predicted, decision=decision, report=report, planning_seconds=plan.seconds,
-            looked_ahead=looked_ahead, started=time.perf_counter(),
+            batch_idx=batch_idx,
+            global_step=trainer.global_step,
+            candidate=plan.candidate.boundaries,
+            predicted=predicted,
+            decision=decision,
+            report=report,
+            planning_seconds=plan.seconds,
+            looked_ahead=looked_ahead,
+            started=time.perf_counter(),
         )
 
     def on_train_batch_end(
@@ -272,15 +284,17 @@ class ElasticRepartition(L.Callback):
         )
         self.history.append(step)
         metrics = {f"elastic/boundary{k}": float(b) for k, b in enumerate(step.boundaries)}
-        metrics.update({
-            "elastic/predicted_step_s": step.predicted_step_seconds,
-            "elastic/measured_step_s": step.measured_step_seconds,
-            "elastic/migrated": float(step.migrated),
-            "elastic/migrated_bytes": float(step.migrated_bytes),
-            "elastic/migration_s": step.migration_seconds,
-            "elastic/planning_s": step.planning_seconds,
-            "elastic/looked_ahead": float(step.looked_ahead),
-        })
+        metrics.update(
+            {
+                "elastic/predicted_step_s": step.predicted_step_seconds,
+                "elastic/measured_step_s": step.measured_step_seconds,
+                "elastic/migrated": float(step.migrated),
+                "elastic/migrated_bytes": float(step.migrated_bytes),
+                "elastic/migration_s": step.migration_seconds,
+                "elastic/planning_s": step.planning_seconds,
+                "elastic/looked_ahead": float(step.looked_ahead),
+            }
+        )
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         log.debug("ElasticRepartition: %s", step)
 
@@ -310,7 +324,12 @@ class ElasticRepartition(L.Callback):
         started = time.perf_counter()
         ranks = strategy.pipeline_parallel_size
         candidate = plan_partition(
-            model, key.shapes, key.schedule, ranks, self.memory_limit, candidates=[key.current],
+            model,
+            key.shapes,
+            key.schedule,
+            ranks,
+            self.memory_limit,
+            candidates=[key.current],
             relative_gap=self.relative_gap,
         )
         current = evaluate_partition(model, key.shapes, key.schedule, ranks, key.current)
@@ -330,8 +349,11 @@ class ElasticRepartition(L.Callback):
             migration_seconds = sum(self._migration_seconds) / len(self._migration_seconds)
         elif differs:
             migration_seconds = estimate_migration(
-                strategy.costs.estimate.cost_model, strategy.boundaries, plan.candidate.boundaries,
-                strategy.program.stage_to_rank, include_gradients=batch_idx % trainer.accumulate_grad_batches != 0,
+                strategy.costs.estimate.cost_model,
+                strategy.boundaries,
+                plan.candidate.boundaries,
+                strategy.program.stage_to_rank,
+                include_gradients=batch_idx % trainer.accumulate_grad_batches != 0,
             ).seconds
         else:
             migration_seconds = 0.0
@@ -342,6 +364,11 @@ class ElasticRepartition(L.Callback):
 
         coming = [scaled(StepPrediction(plan.current.step_seconds, plan.candidate.step_seconds))]
         return decide_repartition(
-            self.config, trainer.global_step, migration_seconds, coming, [scaled(p) for p in plan.recent],
-            candidate_differs=differs, current_fits=plan.current.fits(self.memory_limit),
+            self.config,
+            trainer.global_step,
+            migration_seconds,
+            coming,
+            [scaled(p) for p in plan.recent],
+            candidate_differs=differs,
+            current_fits=plan.current.fits(self.memory_limit),
         )

@@ -77,7 +77,9 @@ class PipelineProfiler(L.Callback):
                 f"`{type(trainer.strategy).__name__}`. To profile without training: `python -m lightning_pipe.callbacks.profiler`."
             )
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """Profile once, on the first training batch (every rank, together)."""
         if self.estimate is not None:
             return
@@ -148,7 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cli = LightningCLI(
         args=["--config", args.config, "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.logger=false"],
-        run=False, subclass_mode_model=True, subclass_mode_data=True, auto_configure_optimizers=False,
+        run=False,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
         save_config_callback=None,
     )
     module, data = cli.model, cli.datamodule
@@ -160,7 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_pipe.runtime.memory_profile import sequence_lengths
 
     lengths = sequence_lengths(microbatch)
-    shapes = _grid(args.lengths or _fractions(max(lengths)), args.sequences or [len(lengths), max(1, len(lengths) // 2)])
+    shapes = _grid(
+        args.lengths or _fractions(max(lengths)), args.sequences or [len(lengths), max(1, len(lengths) // 2)]
+    )
     torch.manual_seed(0)
     estimate = profile_module(
         module, microbatch, shapes, repeats=args.repeats, optimizer_states_per_parameter=args.optimizer_states

@@ -1,18 +1,15 @@
-"""What every unit of an unchanged module costs, measured from the module's own step function.
+"""What every unit of an unchanged module costs, counted on the meta device from its own step function.
 
-Two probes share one mechanism, :class:`UnitTracker`: forward pre-hooks and forward hooks on the
-blocks tell which unit (``pre``, a block, ``post``) the user's step is running, and gradient hooks
-on the blocks' inputs and outputs tell which unit backward has reached. Nothing is asked of the user.
-
-* :func:`count_units` runs the step on the **meta device** (parameters and the batch swapped for
-  meta tensors; nothing is allocated, any shape can be probed). Per unit, forward and backward: the
-  FLOPs of every ATen op (``torch.utils.flop_counter``'s formulas), the bytes it reads and writes,
-  the number of ops, and the bytes autograd saves for backward (``saved_tensors_hooks``; parameters
-  and the batch are not activations; a storage counts once, for the unit that saved it first: the
-  same rule as ``memory_accounting``). Seconds come from an assumed :class:`DeviceSpeed` (a roofline
-  per op plus a fixed overhead per op), not from a clock.
-* :func:`time_units` runs the stages of one rank for real and times every unit's forward and
-  backward with the same hooks (the profiler).
+:func:`count_units` runs the user's step on the **meta device** (parameters and the batch swapped
+for meta tensors; nothing is allocated, any shape can be probed) with the hooks of
+:class:`~lightning_pipe.runtime.unit_tracker.UnitTracker`, which tell which unit (``pre``, a block,
+``post``) forward runs and backward has reached. Per unit, forward and backward: the FLOPs of every
+ATen op (``torch.utils.flop_counter``'s formulas), the bytes it reads and writes, the number of ops,
+and the bytes autograd saves for backward (``saved_tensors_hooks``; parameters and the batch are not
+activations; a storage counts once, for the unit that saved it first: the same rule as
+``memory_accounting``). Seconds come from an assumed :class:`DeviceSpeed` (a roofline per op plus a
+fixed overhead per op), not from a clock; ``unit_timing.py`` measures real seconds.
+:func:`fit_cost_model` fits a :class:`~lightning_pipe.planning.CostModel` to the counts.
 
 On meta, ``scaled_dot_product_attention`` would take the math path and save the ``[B, H, T, T]``
 attention matrix; real devices run a fused kernel that saves ``q, k, v``, the output and a
@@ -30,12 +27,9 @@ of its token tensor (``sequence_lengths``). When the blocks see fewer positions 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import statistics
-import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,23 +44,18 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_pipe.model.blocks import BlockStack
-from lightning_pipe.model.stage_runner import StageRunner, StageSpan
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
-from lightning_pipe.planning.fit import TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
-from lightning_pipe.runtime.memory_profile import _token_tensor, _untouched
+from lightning_pipe.planning.fit import UnitFit, fit_linear_cost
+from lightning_pipe.runtime.unit_tracker import UnitTracker, nbytes_of, resize_microbatch, step_loss, unit_name
 
 __all__ = [
+    "CostEstimate",
     "DeviceSpeed",
     "UnitCount",
-    "UnitTiming",
-    "CostEstimate",
-    "UnitTracker",
-    "resize_microbatch",
     "count_units",
-    "time_units",
     "fit_cost_model",
-    "fit_timings",
+    "length_offset",
 ]
 
 
@@ -135,27 +124,6 @@ class UnitCount:
 
 
 @dataclass(frozen=True)
-class UnitTiming:
-    """Measured seconds of one unit on one probe microbatch (real device).
-
-    Attributes:
-        unit: unit index (``pre`` is 0).
-        num_sequences: samples in the microbatch.
-        length: positions per sample of the token tensor.
-        positions: positions per sample the blocks process.
-        forward_seconds: median forward seconds over the repeats.
-        backward_seconds: median backward seconds over the repeats.
-    """
-
-    unit: int
-    num_sequences: int
-    length: int
-    positions: int
-    forward_seconds: float
-    backward_seconds: float
-
-
-@dataclass(frozen=True)
 class CostEstimate:
     """A cost model and how to read batches for it.
 
@@ -184,135 +152,6 @@ class CostEstimate:
     def from_dict(cls, data: dict) -> CostEstimate:
         """Inverse of :meth:`to_dict`; a plain ``CostModel`` profile gets ``length_offset`` 0."""
         return cls(CostModel.from_dict(data), int(data.get("length_offset", 0)), str(data.get("source", "given")))
-
-
-# --- which unit is running --------------------------------------------------------------------
-
-
-class UnitTracker:
-    """Tracks the unit running in forward and in backward, from hooks on the blocks.
-
-    Forward: ``pre`` until block 0 starts, block ``i`` from its start until the next block starts
-    (code between blocks counts for the block before), ``post`` after the last block returns.
-    Backward: starts in ``start_unit`` (``post``, or the last block of a stage that is not last);
-    when the gradient of block ``i``'s output is complete, block ``i``'s backward begins; when the
-    gradient of block ``i``'s inputs is complete, the unit before it begins (``pre`` for block 0).
-
-    Args:
-        blocks: the block stack's blocks.
-        on_switch: called as ``on_switch(direction, unit)`` (``"forward"``/``"backward"``) at
-            every change, after the tracker's state changed.
-    """
-
-    def __init__(self, blocks: Sequence[nn.Module], on_switch: Callable[[str, int], None] | None = None) -> None:
-        self.blocks = list(blocks)
-        self.num_blocks = len(self.blocks)
-        self.on_switch = on_switch
-        self.forward_unit = 0
-        self.backward_unit = self.num_blocks + 1
-        self.positions = 0  # dimension -2 of the first tensor block 0 received
-        self.outputs: dict[int, int] = {}  # unit -> bytes of its output tensors (last call)
-        self._handles: list[Any] = []
-
-    def _switch(self, direction: str, unit: int) -> None:
-        if direction == "forward":
-            self.forward_unit = unit
-        else:
-            self.backward_unit = unit
-        if self.on_switch is not None:
-            self.on_switch(direction, unit)
-
-    def _grad_hook(self, unit: int) -> Callable[[Tensor], None]:
-        def hook(grad: Tensor) -> None:
-            self._switch("backward", unit)
-
-        return hook
-
-    def _pre_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-            if index == 0:
-                self.outputs[0] = sum(_nbytes(t) for t in tensors if t.is_floating_point())
-                hidden = [t for t in tensors if t.is_floating_point() and t.dim() >= 2]
-                self.positions = int(hidden[0].shape[-2]) if hidden else 0
-            if torch.is_grad_enabled():
-                for tensor in tensors:
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._grad_hook(index))  # unit of the block before (pre: 0)
-            self._switch("forward", index + 1)
-
-        return hook
-
-    def _post_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-            self.outputs[index + 1] = sum(_nbytes(t) for t in tensors)
-            if torch.is_grad_enabled():
-                for tensor in tensors:
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._grad_hook(index + 1))
-            if index == self.num_blocks - 1:
-                self._switch("forward", self.num_blocks + 1)
-
-        return hook
-
-    def __enter__(self) -> UnitTracker:
-        for index, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(self._post_hook(index), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-# --- probe microbatches -----------------------------------------------------------------------
-
-
-def resize_microbatch(microbatch: Any, num_sequences: int, length: int, device: torch.device | str | None = None) -> Any:
-    """A microbatch of ``num_sequences`` samples of ``length`` positions, shaped like ``microbatch``.
-
-    The token tensor (``sequence_lengths``'s: the first integer ``[B, T, ...]`` tensor) sets ``B``
-    and ``T``; every tensor whose first dimension is ``B`` gets ``num_sequences`` rows, and whose
-    first two dimensions are ``(B, T)`` also ``length`` positions. On the meta device the result
-    holds no values; on a real device samples and positions are repeated cyclically (token ids stay
-    valid ids). Other leaves are kept.
-
-    Args:
-        microbatch: an example microbatch.
-        num_sequences: samples in the result.
-        length: positions per sample of the result.
-        device: ``"meta"`` for a shape-only microbatch; None keeps each tensor's device.
-    """
-    tokens = _token_tensor(microbatch)
-    batch, positions = int(tokens.shape[0]), int(tokens.shape[1])
-
-    def resize(leaf: Any) -> Any:
-        if not isinstance(leaf, Tensor):
-            return leaf
-        shape = list(leaf.shape)
-        rows = leaf.dim() >= 1 and shape[0] == batch
-        cols = rows and leaf.dim() >= 2 and shape[1] == positions
-        if rows:
-            shape[0] = num_sequences
-        if cols:
-            shape[1] = length
-        if device is not None and torch.device(device).type == "meta":
-            return torch.empty(shape, dtype=leaf.dtype, device="meta")
-        out = leaf
-        if rows:
-            out = out.index_select(0, torch.arange(num_sequences, device=leaf.device) % batch)
-        if cols:
-            out = out.index_select(1, torch.arange(length, device=leaf.device) % positions)
-        return out if device is None else out.to(device)
-
-    return tree_map(resize, microbatch)
 
 
 @contextlib.contextmanager
@@ -386,8 +225,13 @@ def _to_meta(value: Any) -> Any:
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """The CPU flash kernel where a CPU would choose it (see the module docstring), else None."""
     fused = (
-        dropout_p == 0.0 and not enable_gqa and query.dim() == 4 and key.dim() == 4 and value.dim() == 4
-        and query.shape[-1] == key.shape[-1] == value.shape[-1] and query.is_floating_point()
+        dropout_p == 0.0
+        and not enable_gqa
+        and query.dim() == 4
+        and key.dim() == 4
+        and value.dim() == 4
+        and query.shape[-1] == key.shape[-1] == value.shape[-1]
+        and query.is_floating_point()
     )
     if not fused:
         return None
@@ -427,8 +271,10 @@ class _WorkCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         flops = _op_flops(func, args, kwargs, out)
-        nbytes = 0 if func.is_view else sum(
-            _nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, Tensor)
+        nbytes = (
+            0
+            if func.is_view
+            else sum(nbytes_of(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, Tensor))
         )
         key = (self.backward, self.tracker.backward_unit if self.backward else self.tracker.forward_unit)
         self.flops[key] += flops
@@ -457,14 +303,6 @@ class _SavedCounter:
     @staticmethod
     def unpack(tensor: Tensor) -> Tensor:
         return tensor
-
-
-def _step_loss(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
 
 
 @contextlib.contextmanager
@@ -522,7 +360,7 @@ def count_units(
             try:
                 with _MetaFunctions(), work, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                     output = getattr(root, step_name)(microbatch, *step_args[1:])
-                    loss = _step_loss(output)
+                    loss = step_loss(output)
                     trainable = [p for p in params if p.requires_grad]
                     if loss is not None and loss.requires_grad and trainable:
                         work.backward = True
@@ -553,149 +391,14 @@ def count_units(
     return counts
 
 
-# --- timing real units ---------------------------------------------------------------------------
-
-
-class _Clock:
-    """Time spent in each unit, from the tracker's switches (synchronizing CUDA at each)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.unit = -1
-        self.since = 0.0
-        self.spent: dict[int, float] = defaultdict(float)
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def start(self, unit: int) -> None:
-        self.unit, self.since = unit, self.now()
-
-    def switch(self, unit: int) -> None:
-        now = self.now()
-        self.spent[self.unit] += now - self.since
-        self.unit, self.since = unit, now
-
-    def stop(self) -> None:
-        self.switch(-1)
-
-
-def _time_span_once(
-    runner: StageRunner, step_name: str, args: tuple, span: StageSpan, params: list[Tensor], device: torch.device
-) -> tuple[dict[int, float], dict[int, float], int]:
-    forward, backward = _Clock(device), _Clock(device)
-
-    def on_switch(direction: str, unit: int) -> None:
-        (forward if direction == "forward" else backward).switch(unit)
-
-    def receive(metas: list[Tensor]) -> list[Tensor]:
-        inputs = []
-        for meta in metas:
-            tensor = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
-            inputs.append(tensor.requires_grad_(True) if tensor.is_floating_point() else tensor)
-        return inputs
-
-    tracker = UnitTracker(runner.stack.blocks, on_switch)
-    with tracker, torch.enable_grad():
-        forward.start(0)
-        result = runner.run(step_name, args, span, receive=None if span.is_first else receive)
-        forward.stop()
-        if span.is_last:
-            loss = _step_loss(result.step_output)
-            outputs, grads = ([loss], None) if loss is not None and loss.requires_grad else ([], None)
-        else:
-            outputs = [t for t in result.outputs if t.requires_grad]
-            grads = [torch.ones_like(t) for t in outputs]
-        inputs = [p for p in params if p.requires_grad] + [t for t in result.inputs if t.requires_grad]
-        if outputs and inputs:
-            backward.start(span.num_blocks + 1 if span.is_last else span.end_block)
-            torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-            backward.stop()
-    del result
-    return forward.spent, backward.spent, tracker.positions
-
-
-def _span_units(span: StageSpan) -> list[int]:
-    units = [0] if span.is_first else []
-    units += [1 + b for b in range(span.first_block, span.end_block)]
-    return units + ([span.num_blocks + 1] if span.is_last else [])
-
-
-def time_units(
-    runner: StageRunner,
-    step_name: str,
-    step_args: tuple,
-    spans: Sequence[StageSpan],
-    shapes: Sequence[tuple[int, int]],
-    parameters: Sequence[Tensor],
-    device: torch.device,
-    repeats: int = 3,
-    warmup: int = 1,
-    step_context: Callable[[], Any] | None = None,
-) -> list[UnitTiming]:
-    """Time the forward and backward of every unit of ``spans`` for every probe shape, for real.
-
-    Each stage runs the user's step through ``runner`` (stages that are not first get zero inputs of
-    the shapes the previous stage would send), then backward from the loss (last stage) or from
-    gradients of ones on the stage's outputs, with ``torch.autograd.grad`` (no ``.grad`` changes).
-    Shapes are visited round-robin ``repeats`` times, so that a slow period of a shared machine
-    spreads over all shapes; the median is kept. RNG state and buffers are restored afterwards.
-
-    Args:
-        runner: the stage runner of the module.
-        step_name: ``"training_step"``.
-        step_args: an example of the step's arguments (microbatch first, with real values).
-        spans: the stages to time (this rank's).
-        shapes: ``(num_sequences, length)`` of every probe microbatch.
-        parameters: the real parameters of the spans' units (gradients are computed for them).
-        device: where the stages run.
-        repeats: timed runs per shape.
-        warmup: untimed runs per shape first.
-        step_context: a context-manager factory around each run (precision autocast).
-
-    Returns:
-        One :class:`UnitTiming` per unit of ``spans`` and shape.
-    """
-    if repeats < 1:
-        raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
-    params = list(parameters)
-    probes = [
-        (shape, (resize_microbatch(step_args[0], *shape, device=device), *step_args[1:])) for shape in shapes
-    ]
-    samples: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
-    positions: dict[tuple[int, int], int] = {}
-    context = step_context or contextlib.nullcontext
-    with _untouched(runner.root, device):
-        for round_index in range(warmup + repeats):
-            for shape, args in probes:
-                for span in spans:
-                    with context():
-                        forward, backward, seen = _time_span_once(runner, step_name, args, span, params, device)
-                    positions[shape] = seen or positions.get(shape, 0)
-                    if round_index < warmup:
-                        continue
-                    for unit in _span_units(span):
-                        samples[(shape, unit)].append((forward.get(unit, 0.0), backward.get(unit, 0.0)))
-    timings = []
-    for (shape, unit), values in sorted(samples.items()):
-        timings.append(
-            UnitTiming(
-                unit, shape[0], shape[1], positions.get(shape) or shape[1],
-                statistics.median(v[0] for v in values), statistics.median(v[1] for v in values),
-            )
-        )
-    return timings
-
-
 # --- fitting -------------------------------------------------------------------------------------
 
 
-def _length_offset(lengths_and_positions: Sequence[tuple[int, int]]) -> int:
+def length_offset(lengths_and_positions: Sequence[tuple[int, int]]) -> int:
+    """Median of ``length - positions`` over probes (0 when unknown or negative)."""
     offsets = sorted(length - positions for length, positions in lengths_and_positions if positions > 0)
     offset = offsets[len(offsets) // 2] if offsets else 0
-    return offset if offset >= 0 else 0
+    return max(offset, 0)
 
 
 def _fit(shapes: Sequence[MicrobatchShape], values: Sequence[float]) -> LinearCost:
@@ -718,12 +421,10 @@ def _parameter_bytes(module: nn.Module, layout: UnitLayout) -> list[tuple[float,
     out = []
     for names in layout.unit_names:
         owned = [params[n] for n in names if n in params]
-        out.append((float(sum(_nbytes(p) for p in owned)), float(sum(_nbytes(p) for p in owned if p.requires_grad))))
+        out.append(
+            (float(sum(nbytes_of(p) for p in owned)), float(sum(nbytes_of(p) for p in owned if p.requires_grad)))
+        )
     return out
-
-
-def _unit_name(unit: int, num_units: int) -> str:
-    return "pre" if unit == 0 else "post" if unit == num_units - 1 else f"block.{unit - 1}"
 
 
 def fit_cost_model(
@@ -750,7 +451,7 @@ def fit_cost_model(
         latency: seconds per point-to-point message of the model.
         bandwidth: bytes per second of a link between stages.
     """
-    offset = _length_offset([(c.length, c.positions) for c in counts])
+    offset = length_offset([(c.length, c.positions) for c in counts])
     by_unit: dict[int, list[UnitCount]] = defaultdict(list)
     for count in counts:
         by_unit[count.unit].append(count)
@@ -759,13 +460,13 @@ def fit_cost_model(
     for unit in range(layout.num_units):
         rows = by_unit.get(unit)
         if not rows:
-            raise ValueError(f"No probe counts for unit {unit} ({_unit_name(unit, layout.num_units)}).")
+            raise ValueError(f"No probe counts for unit {unit} ({unit_name(unit, layout.num_units)}).")
         shapes = [MicrobatchShape.from_lengths([max(1, r.length - offset)] * r.num_sequences) for r in rows]
         per_token = max(r.output_bytes / max(1, s.tokens) for r, s in zip(rows, shapes))
         parameter_bytes, trained_bytes = static[unit]
         units.append(
             UnitCost(
-                name=_unit_name(unit, layout.num_units),
+                name=unit_name(unit, layout.num_units),
                 forward=_fit(shapes, [r.forward_seconds for r in rows]),
                 backward=_fit(shapes, [r.backward_seconds for r in rows]),
                 saved_bytes=_fit(shapes, [float(r.saved_bytes) for r in rows]),
@@ -776,38 +477,3 @@ def fit_cost_model(
             )
         )
     return CostEstimate(CostModel(tuple(units), latency=latency, bandwidth=bandwidth), offset, "meta")
-
-
-def fit_timings(
-    timings: Sequence[UnitTiming], template: CostEstimate, holdout_fraction: float = 0.25
-) -> CostEstimate:
-    """Replace the seconds of ``template`` (bytes kept) by fits of measured timings.
-
-    Args:
-        timings: from :func:`time_units` (every unit, at least four shapes each when holding out).
-        template: the model to start from (a meta estimate: bytes, parameters, link).
-        holdout_fraction: fraction of each unit's samples held out to report the fit's error.
-
-    Returns:
-        A :class:`CostEstimate` with ``source="profile"`` and one fit per unit in ``fits``.
-    """
-    offset = _length_offset([(t.length, t.positions) for t in timings])
-    by_unit: dict[int, list[UnitTiming]] = defaultdict(list)
-    for timing in timings:
-        by_unit[timing.unit].append(timing)
-    fits = []
-    for unit, cost in enumerate(template.cost_model.units):
-        rows = by_unit.get(unit)
-        if not rows:
-            raise ValueError(f"No timings for unit {unit} ({cost.name}); every unit must be timed by some rank.")
-        samples = [
-            TimingSample(
-                MicrobatchShape.from_lengths([max(1, r.length - offset)] * r.num_sequences),
-                max(r.forward_seconds, 1e-9),
-                max(r.backward_seconds, 1e-9),
-            )
-            for r in rows
-        ]
-        fits.append(fit_unit_cost(samples, cost, holdout_fraction=holdout_fraction))
-    model = dataclasses.replace(template.cost_model, units=tuple(f.unit for f in fits))
-    return CostEstimate(model, offset, "profile", tuple(fits))

@@ -34,16 +34,10 @@ from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.runtime import collectives
-from lightning_pipe.runtime.cost_probe import (
-    CostEstimate,
-    DeviceSpeed,
-    count_units,
-    fit_cost_model,
-    fit_timings,
-    time_units,
-)
+from lightning_pipe.runtime.cost_probe import CostEstimate, DeviceSpeed, count_units, fit_cost_model
 from lightning_pipe.runtime.memory_profile import sequence_lengths
 from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe.runtime.unit_timing import fit_timings, time_units
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +147,15 @@ class StrategyCosts:
         strategy = self._strategy
         microbatch = split_batch(batch, strategy.num_microbatches)[0]
         return estimate_costs(
-            strategy.lightning_module, strategy.runner.stack, strategy.unit_layout, microbatch, max_length,
-            num_sequences, strategy.root_device, strategy.memory.static_bytes_per_parameter_byte() - 2.0, self.speed,
+            strategy.lightning_module,
+            strategy.runner.stack,
+            strategy.unit_layout,
+            microbatch,
+            max_length,
+            num_sequences,
+            strategy.root_device,
+            strategy.memory.static_bytes_per_parameter_byte() - 2.0,
+            self.speed,
         )
 
     def profile(
@@ -185,8 +186,16 @@ class StrategyCosts:
         timings = []
         if strategy.layout.data_parallel_rank == 0:  # replicas hold the same units: one pipeline times them
             timings = time_units(
-                strategy.runner, "training_step", (microbatch, batch_index), list(strategy.spans.values()), shapes,
-                params, strategy.root_device, repeats, warmup, strategy.precision_plugin.train_step_context,
+                strategy.runner,
+                "training_step",
+                (microbatch, batch_index),
+                list(strategy.spans.values()),
+                shapes,
+                params,
+                strategy.root_device,
+                repeats,
+                warmup,
+                strategy.precision_plugin.train_step_context,
             )
         gathered = strategy.gather_from_pipeline(timings)
         estimate = None
@@ -210,10 +219,10 @@ class StrategyCosts:
         data and random numbers as without the scan. It loads every batch once.
 
         Raises:
-            ValueError: the loader is not one ``DataLoader`` over a map-style dataset.
+            TypeError: the loader is not one ``DataLoader`` over a map-style dataset.
         """
         if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-            raise ValueError(
+            raise TypeError(
                 "`partition='auto'` finds the longest batch by reading the training `DataLoader`'s map-style dataset "
                 f"through its sampler, but the training data is {type(loader).__name__}"
                 f"{' over an IterableDataset' if isinstance(loader, DataLoader) else ''}. Use `partition='balanced'` "
@@ -257,7 +266,10 @@ class StrategyCosts:
         )
         log.info(
             "partition='auto': longest batch (%d samples, up to %d long) planned as %s, predicted %.4g s per step",
-            len(longest), max(longest), list(plan.boundaries), plan.step_seconds,
+            len(longest),
+            max(longest),
+            list(plan.boundaries),
+            plan.step_seconds,
         )
         return plan.boundaries
 
@@ -295,7 +307,11 @@ def estimate_costs(
         speed: the assumed device; None: :meth:`DeviceSpeed.for_device`.
     """
     counts = count_units(
-        module, stack, "training_step", (microbatch, 0), probe_shapes(max_length, num_sequences),
+        module,
+        stack,
+        "training_step",
+        (microbatch, 0),
+        probe_shapes(max_length, num_sequences),
         speed or DeviceSpeed.for_device(device),
     )
     latency, bandwidth = _LINK.get(torch.device(device).type, _LINK["cuda"])
@@ -346,7 +362,13 @@ def profile_module(
     finally:
         runner.remove()
     template = estimate_costs(
-        module, stack, layout, microbatch, max(n for _, n in shapes), max(b for b, _ in shapes), device,
+        module,
+        stack,
+        layout,
+        microbatch,
+        max(n for _, n in shapes),
+        max(b for b, _ in shapes),
+        device,
         optimizer_states_per_parameter,
     )
     return fit_timings(timings, template, holdout_fraction)

@@ -58,12 +58,21 @@ def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer
     if given_model:
         cost_model = tmp_path / "profile.json"
         _attention_heavy_model().save(cost_model)
-    make = lambda: TinyGPT(layers=8, vocab=VOCAB, optimizer=optimizer).double()  # noqa: E731
+    make = lambda: TinyGPT(layers=8, vocab=VOCAB, optimizer=optimizer).double()
     strategy = ElasticPipelineStrategy(pipeline_parallel_size=pp, num_microbatches=4, start_method=START_METHOD)
-    callbacks = [ElasticRepartition(cost_model=cost_model, trigger="always"), RecordPlans(str(tmp_path / "plans.jsonl"))]
+    callbacks = [
+        ElasticRepartition(cost_model=cost_model, trigger="always"),
+        RecordPlans(str(tmp_path / "plans.jsonl")),
+    ]
     pipelined = fit(
-        make, batches, strategy, devices=pp * dp, steps=steps, accumulate_grad_batches=accumulate,
-        callbacks=callbacks, log_dir=tmp_path,
+        make,
+        batches,
+        strategy,
+        devices=pp * dp,
+        steps=steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks,
+        log_dir=tmp_path,
     )
     reference = fit(make, reference_batches(batches, dp), steps=steps, accumulate_grad_batches=accumulate)
     assert_same_parameters(pipelined, reference, atol=1e-10)
@@ -78,7 +87,7 @@ def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer
 def test_partition_auto_plans_the_longest_batch_once(tmp_path):
     lengths = [5, 9, 33, 7, 12, 6]
     batches = token_batches(len(lengths), batch_size=4, lengths=lengths, vocab=VOCAB)
-    make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()  # noqa: E731
+    make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()
     strategy = ElasticPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=4, partition="auto", start_method=START_METHOD
     )
@@ -98,7 +107,7 @@ def test_partition_auto_plans_the_longest_batch_once(tmp_path):
 
 def test_schedule_switch_auto_moves_to_the_fastest_family(tmp_path):
     batches = token_batches(3, batch_size=4, lengths=[9, 30, 14], vocab=VOCAB)
-    make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()  # noqa: E731
+    make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()
     strategy = ElasticPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=4, schedule="gpipe", start_method=START_METHOD
     )

@@ -43,7 +43,9 @@ class _Peek(L.Callback):
         again = compat.peek_next_training_batch(trainer)  # peeking twice fetches nothing more
         assert found == again[0] and (upcoming is again[1])
         last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        self.seen.append((batch_idx, batch[0, 0].item(), found, None if upcoming is None else upcoming[0, 0].item(), last))
+        self.seen.append(
+            (batch_idx, batch[0, 0].item(), found, None if upcoming is None else upcoming[0, 0].item(), last)
+        )
 
 
 @pytest.mark.parametrize("sized", [True, False])
@@ -52,8 +54,13 @@ def test_peek_next_training_batch_sees_the_next_batch_without_consuming_it(sized
     data = BatchDataset(batches) if sized else _Stream(batches)
     peek = _Peek()
     trainer = L.Trainer(
-        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[peek],
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[peek],
     )
     trainer.fit(_Linear(), DataLoader(data, batch_size=None, shuffle=False))
     epoch = [(i, float(i), i < 4, float(i + 1) if i < 4 else None, i == 4) for i in range(5)]
