@@ -106,6 +106,15 @@ class PipelineMultiProcessingLauncher(_Launcher):
 class _GatheringLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher, sending back the state dict gathered from every stage."""
 
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        # A worker that exits with its process group alive can abort (SIGABRT) in interpreter
+        # finalization while gloo's threads release tensors (pytorch/pytorch#190489). The worker's
+        # process group is its own to end: the main process never joins it. (After an error the
+        # worker exits anyway and torch's process context stops the others.)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None

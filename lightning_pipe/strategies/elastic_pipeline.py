@@ -46,7 +46,7 @@ from lightning_pipe.runtime.migration import MigrationReport, migrate, plan_tran
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
 from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies import checkpointing
-from lightning_pipe.strategies.partitioning import initial_partition
+from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.precision import install_global_norm_clipping
@@ -249,8 +249,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             fitting: ``trainer.fit`` (manual optimization only matters there).
 
         Raises:
-            ValueError: manual optimization, no block stack, more stages than blocks, or a
-                ``partition`` that does not fit the blocks.
+            ValueError: manual optimization, no block stack, more stages than blocks, a
+                ``partition`` that does not fit the blocks, or a ``memory_budget`` below a stage's
+                parameters and gradients.
         """
         if fitting and not module.automatic_optimization:
             raise ValueError(
@@ -261,7 +262,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return
         stack = find_blocks(module, self._blocks)
         num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
-        initial_partition(self._setup_partition_spec, module, analyze_units(module, stack), num_stages)
+        layout = analyze_units(module, stack)
+        boundaries = initial_partition(self._setup_partition_spec, module, layout, num_stages)
+        if self.memory.budget is not None:
+            check_budget_holds_stages(module, layout, boundaries, self.memory.budget)
 
     def _shard(self, trainer: Any) -> None:
         module = self.lightning_module

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_pipe.model.units import UnitLayout
+from lightning_pipe.planning.memory_model import format_size
 from lightning_pipe.planning.boundaries import balanced_partition, uniform_partition
 
 
@@ -40,3 +41,29 @@ def initial_partition(spec: str | list[int], module: nn.Module, layout: UnitLayo
         return tuple(uniform_partition(num_blocks, num_stages))
     counts = unit_parameter_counts(module, layout)
     return tuple(balanced_partition(counts[1:-1], num_stages, first_weight=counts[0], last_weight=counts[-1]))
+
+
+def check_budget_holds_stages(module: nn.Module, layout: UnitLayout, boundaries: tuple[int, ...], budget: int) -> None:
+    """Refuse a memory budget that cannot hold some stage's parameters and their gradients.
+
+    That is a lower bound on any plan's peak (optimizer state and activations come on top, and no
+    recompute or activation offload lowers it), so it can be checked before any process starts.
+
+    Raises:
+        ValueError: naming the stage, what it needs, and what to change.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    unit_bytes = [
+        sum(params[n].numel() * params[n].element_size() for n in names if n in params) for names in layout.unit_names
+    ]
+    last = len(boundaries) - 2
+    for stage in range(last + 1):
+        first_unit = 0 if stage == 0 else boundaries[stage] + 1
+        end_unit = layout.num_units if stage == last else boundaries[stage + 1] + 1
+        needed = 2 * sum(unit_bytes[first_unit:end_unit])
+        if needed > budget:
+            raise ValueError(
+                f"`memory_budget={format_size(budget)}` cannot fit: stage {stage} (blocks {boundaries[stage]}.."
+                f"{boundaries[stage + 1] - 1}) alone needs {format_size(needed)} for its parameters and gradients, "
+                "before optimizer state and activations. Raise `memory_budget`, or use more pipeline stages."
+            )

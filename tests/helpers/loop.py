@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.models import TinyGPT
-from tests.helpers.training import SEED, BatchDataset
+from tests.helpers.training import SEED, START_METHOD, BatchDataset
 
 
 class ScheduledGPT(TinyGPT):
@@ -35,9 +35,9 @@ class ScheduledGPT(TinyGPT):
 
 
 def pipeline(pp: int, microbatches: int = 4, schedule: str = "1f1b", **kwargs: Any) -> ElasticPipelineStrategy:
-    """The strategy as the tests use it: processes spawned from the test."""
+    """The strategy as the tests use it: processes started from the test."""
     return ElasticPipelineStrategy(
-        pipeline_parallel_size=pp, num_microbatches=microbatches, schedule=schedule, start_method="spawn", **kwargs
+        pipeline_parallel_size=pp, num_microbatches=microbatches, schedule=schedule, start_method=START_METHOD, **kwargs
     )
 
 

@@ -105,8 +105,12 @@ def no_processes(monkeypatch):
         (TinyGPT, pipeline(2, partition=[1, 2]), 2, r"`partition=\[1, 2\]` must list .* 2 stages, .* summing to 4"),
         (TinyGPT, pipeline(2, partition=[4, 0]), 2, r"`partition=\[4, 0\]` must list .* each at least 1"),
         (ManualGPT, pipeline(2), 2, r"does not support manual optimization .* in `ManualGPT`"),
+        (TinyGPT, pipeline(2, memory_budget="1KiB"), 2, r"`memory_budget=1 KiB` cannot fit: stage 0 .* Raise `memory_budget`"),
     ],
-    ids=["no-block-stack", "wrong-blocks-path", "more-stages-than-blocks", "partition-sum", "partition-empty", "manual"],
+    ids=[
+        "no-block-stack", "wrong-blocks-path", "more-stages-than-blocks", "partition-sum", "partition-empty", "manual",
+        "budget-below-parameters",
+    ],
 )
 def test_module_errors_before_processes_start(no_processes, make, strategy, devices, message):
     with pytest.raises(ValueError, match=message):
