@@ -24,7 +24,8 @@ How it was run (numbers in docs/repartitioning.md)::
     python benchmarks/simulated_repartition.py --batches 32
 
 on 2 CPU cores; it prints its own wall time. ``--batches`` sizes it (about linearly); ``--quick``
-runs one small configuration as a smoke test.
+runs one small configuration as a smoke test; ``--plot PATH`` draws the first configuration's
+elastic partitions over the batches (docs/img/partitions_over_time.png).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from lightning_pipe.planning import (
     split_microbatches,
     uniform_partition,
 )
+from lightning_pipe.planning.render import plot_partitions
 
 GIB = 2**30
 MODELS = {"1.3b": gpt_1_3b, "7b": gpt_7b}
@@ -72,6 +74,7 @@ class PolicyResult:
     migration_seconds: float = 0.0
     out_of_memory_steps: int = 0
     planning_seconds: list[float] = field(default_factory=list)
+    partitions: list[tuple[int, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Row:
     stages: int
     recompute: bool
     tokens: int
+    longest: list[int]
     elastic: PolicyResult
     static: PolicyResult
     uniform: PolicyResult
@@ -162,6 +166,7 @@ def run_elastic(
             result.migrations += 1
             result.migration_seconds += migration.seconds
         result.seconds += seconds
+        result.partitions.append(current)
     return result
 
 
@@ -193,6 +198,7 @@ def run_configuration(
         stages=stages,
         recompute=recompute,
         tokens=sum(sum(batch) for batch in lengths),
+        longest=[max(batch) for batch in lengths],
         elastic=run_elastic(evaluate, limit, config, args.recent, args.migration_bandwidth, args.gap),
         static=run_static(evaluate, static_plan.boundaries, limit),
         uniform=run_static(evaluate, uniform_partition(model.num_blocks, stages), limit),
@@ -270,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recent", type=int, default=4)
     parser.add_argument("--gap", type=float, default=0.0, help="planner relative gap (0: exact)")
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
+    parser.add_argument("--plot", help="PNG of the first configuration's elastic partitions over the batches")
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.models, args.stages, args.traces = 6, "1.3b", "4", "flan"
@@ -282,6 +289,14 @@ def main(argv: list[str] | None = None) -> None:
         for stages in args.stages.split(",")
     ]
     render(rows, args, time.perf_counter() - started)
+    if args.plot:
+        row = rows[0]
+        plot_partitions(
+            range(len(row.longest)), row.elastic.partitions, args.plot, values=row.longest,
+            value_label="longest sequence (tokens)", step_label="batch",
+            title=f"elastic partitions per batch: {row.trace}-like trace, GPT {row.model}, {row.stages} stages, 1F1B",
+        )
+        print(f"wrote {args.plot}")
     assert all(math.isfinite(r.elastic.seconds) for r in rows)
 
 

@@ -6,6 +6,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_pipe.planning import MemoryPlan, PipelinePlan, StageMemory
 from lightning_pipe.strategies import ElasticPipelineStrategy
 
 __version__ = "0.1.0"
@@ -14,4 +15,4 @@ if "elastic_pipe" not in StrategyRegistry:
     ElasticPipelineStrategy.register_strategies(StrategyRegistry)
 
 # Public API.
-__all__ = ["ElasticPipelineStrategy", "__version__"]
+__all__ = ["ElasticPipelineStrategy", "MemoryPlan", "PipelinePlan", "StageMemory", "__version__"]

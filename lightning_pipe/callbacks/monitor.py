@@ -9,12 +9,19 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
 * ``pipeline/rank{r}_peak_memory_bytes``: peak memory per rank (CUDA allocator peak, or the process's
   resident-set peak on CPU),
-* ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``, and
-  ``pipeline/migrated_bytes`` when units moved.
+* ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``,
+  ``pipeline/migrated_bytes`` when units moved,
+* ``pipeline/recomputed_blocks``, ``pipeline/offloaded_blocks``: block runs of the step under
+  recomputation (full or keep-attention) and activation offload, summed over stages and
+  microbatches (the memory plan's summary; zero without one).
 
 Every ``timeline_every_n_steps`` it draws the real step as a Gantt chart (the same renderer as
-simulated schedules), saves the PNG in the log directory and sends it to TensorBoard. At the end of
-``fit`` it prints a summary table. ``history`` keeps one row per logged step (schedule, partition).
+simulated schedules), saves the PNG in the log directory and sends it to TensorBoard; with
+``simulated_beside`` the simulation of the same program with the step's measured compute times is
+drawn under it (the difference is communication and waiting). At the end of ``fit`` it prints a
+summary table and, when the partition changed, draws the partitions over the logged steps
+(``pipeline_partitions.png``). ``history`` keeps one row per logged step (schedule, partition),
+also written to ``pipeline_steps.jsonl``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import lightning as L
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_pipe.schedules import ActionType, TimedAction
+from lightning_pipe.schedules import ActionCosts, ActionType, TimedAction
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,8 @@ class StepSummary:
     bubble_ratio: float
     stage_compute_s: dict[int, float] = field(default_factory=dict)
     migrated_bytes: int = 0
+    recomputed_blocks: int = 0
+    offloaded_blocks: int = 0
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -77,6 +86,59 @@ def _tokens(batch: Any) -> int:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.numel())
     return 0
+
+
+def _memory_plan_counts(strategy: Any) -> tuple[int, int]:
+    """Block runs of one step under recomputation and under activation offload, by the memory plan."""
+    memory = getattr(strategy, "memory", None)
+    if memory is None or memory.plan.is_empty:
+        return 0, 0
+    from lightning_pipe.planning.memory_model import FULL, KEEP_ATTENTION, OFFLOAD
+
+    recomputed = offloaded = 0
+    bounds = strategy.boundaries
+    for stage in range(len(bounds) - 1):
+        for microbatch in range(strategy.num_microbatches):
+            modes = memory.plan.choice(stage, microbatch).block_modes(bounds[stage + 1] - bounds[stage])
+            recomputed += sum(mode in (FULL, KEEP_ATTENTION) for mode in modes)
+            offloaded += sum(mode == OFFLOAD for mode in modes)
+    return recomputed, offloaded
+
+
+def measured_costs(events: list[TimedAction], program: Any) -> ActionCosts:
+    """Per-action costs of ``program`` from one measured step: every compute action's own duration.
+
+    Communication is free in the result, so simulating it shows what the step would take if only
+    compute and the schedule's dependencies mattered. Actions the step did not run cost zero.
+    """
+    tables: dict[ActionType, list[list[float]]] = {
+        kind: [[0.0] * program.num_microbatches for _ in range(program.num_stages)] for kind in _COMPUTE
+    }
+    for e in events:
+        if e.action.type in _COMPUTE:
+            tables[e.action.type][e.action.stage][e.action.microbatch] = e.duration
+
+    def frozen(kind: ActionType) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(row) for row in tables[kind])
+
+    split = any(e.action.type == ActionType.BACKWARD_INPUT for e in events)
+    return ActionCosts(
+        forward=frozen(ActionType.FORWARD),
+        backward=frozen(ActionType.BACKWARD),
+        backward_input=frozen(ActionType.BACKWARD_INPUT) if split else None,
+        backward_weight=frozen(ActionType.BACKWARD_WEIGHT) if split else None,
+    )
+
+
+def _stack_images(paths: list[str], target: str) -> None:
+    """Stack PNGs vertically on a white background (the measured step over its simulation)."""
+    import matplotlib.image
+    import numpy as np
+
+    images = [matplotlib.image.imread(p)[..., :3] for p in paths]
+    width = max(image.shape[1] for image in images)
+    padded = [np.pad(i, ((0, 0), (0, width - i.shape[1]), (0, 0)), constant_values=1.0) for i in images]
+    matplotlib.image.imsave(target, np.concatenate(padded, axis=0))
 
 
 def measured_step(reports: list[RankReport]) -> tuple[list[TimedAction], float, list[float]]:
@@ -101,16 +163,24 @@ class PipelineMonitor(L.Callback):
         log_every_n_steps: log every this many optimizer steps (None: the Trainer's setting).
         timeline_every_n_steps: draw the real step's timeline every this many steps (0: never).
         timeline_dir: where the PNGs go (None: the first logger's directory, else ``default_root_dir``).
+        simulated_beside: draw the simulated step of the same program, with the measured compute
+            times, under every real timeline.
     """
 
     def __init__(
-        self, log_every_n_steps: int | None = None, timeline_every_n_steps: int = 50, timeline_dir: str | None = None
+        self,
+        log_every_n_steps: int | None = None,
+        timeline_every_n_steps: int = 50,
+        timeline_dir: str | None = None,
+        simulated_beside: bool = False,
     ) -> None:
         if timeline_every_n_steps < 0:
             raise ValueError(f"`timeline_every_n_steps` must be >= 0, got {timeline_every_n_steps}.")
         self.log_every_n_steps = log_every_n_steps
         self.timeline_every_n_steps = timeline_every_n_steps
         self.timeline_dir = timeline_dir
+        self.simulated_beside = simulated_beside
+        self.partitions_picture: str | None = None
         self.history: list[StepSummary] = []
         self.timelines: list[str] = []
         self._step_started = 0.0
@@ -168,6 +238,8 @@ class PipelineMonitor(L.Callback):
             "pipeline/num_stages": float(len(summary.boundaries) - 1),
             "pipeline/num_microbatches": float(summary.num_microbatches),
             "pipeline/migrated_bytes": float(summary.migrated_bytes),
+            "pipeline/recomputed_blocks": float(summary.recomputed_blocks),
+            "pipeline/offloaded_blocks": float(summary.offloaded_blocks),
         }
         metrics.update({f"pipeline/stage{s}_compute_s": t for s, t in summary.stage_compute_s.items()})
         metrics.update({f"pipeline/boundary{k}": float(b) for k, b in enumerate(summary.boundaries)})
@@ -176,7 +248,7 @@ class PipelineMonitor(L.Callback):
             logger.log_metrics(metrics, step=step)
         self._write_plan_history(trainer, summary)
         if draw:
-            self._draw(trainer, reports, step)
+            self._draw(trainer, strategy, reports, step)
 
     def _summarize(self, strategy: Any, reports: list[RankReport], step: int, step_s: float, tokens: int) -> StepSummary:
         events, makespan, busy = measured_step(reports)
@@ -185,6 +257,7 @@ class PipelineMonitor(L.Callback):
             if e.action.type in _COMPUTE:
                 stage_compute[e.action.stage] = stage_compute.get(e.action.stage, 0.0) + e.duration
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
+        recomputed, offloaded = _memory_plan_counts(strategy)
         return StepSummary(
             step=step,
             schedule=strategy.schedule.name,
@@ -195,6 +268,8 @@ class PipelineMonitor(L.Callback):
             bubble_ratio=bubble,
             stage_compute_s=dict(sorted(stage_compute.items())),
             migrated_bytes=sum(r.migrated_bytes for r in reports),
+            recomputed_blocks=recomputed,
+            offloaded_blocks=offloaded,
         )
 
     def _directory(self, trainer: L.Trainer) -> str:
@@ -211,25 +286,51 @@ class PipelineMonitor(L.Callback):
         with open(os.path.join(self._directory(trainer), "pipeline_steps.jsonl"), "a") as f:
             f.write(json.dumps(asdict(summary)) + "\n")
 
-    def _draw(self, trainer: L.Trainer, reports: list[RankReport], step: int) -> None:
+    def _draw(self, trainer: L.Trainer, strategy: Any, reports: list[RankReport], step: int) -> None:
         from lightning_pipe.schedules.render import render_png
 
-        events, _, _ = measured_step(reports)
+        events, makespan, busy = measured_step(reports)
+        bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
         path = os.path.join(self._directory(trainer), f"pipeline_timeline_step{step}.png")
-        render_png(events, path, title=f"measured step {step}")
+        render_png(events, path, title=f"measured step {step} (bubble {bubble:.2f})")
+        if self.simulated_beside:
+            from lightning_pipe.schedules import simulate
+
+            simulated = simulate(strategy.program, measured_costs(events, strategy.program))
+            beside = path.replace(".png", "_simulated.png")
+            render_png(
+                simulated, beside,
+                title=f"simulated, measured compute times (bubble {simulated.bubble_ratio:.2f})",
+            )
+            _stack_images([path, beside], path)
+            os.remove(beside)
         self.timelines.append(path)
+        self._send_image(trainer, "pipeline/timeline", path, step)
+
+    def _send_image(self, trainer: L.Trainer, tag: str, path: str, step: int) -> None:
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):
                 import matplotlib.image
 
                 image = matplotlib.image.imread(path)
-                experiment.add_image("pipeline/timeline", image[..., :3], global_step=step, dataformats="HWC")
+                experiment.add_image(tag, image[..., :3], global_step=step, dataformats="HWC")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Print the run's summary table on rank 0."""
+        """Print the run's summary table on rank 0; draw the partitions if they changed."""
         if trainer.global_rank != 0 or not self.history:
             return
+        if len({tuple(r.boundaries) for r in self.history}) > 1:
+            from lightning_pipe.planning.render import plot_partitions
+
+            path = os.path.join(self._directory(trainer), "pipeline_partitions.png")
+            plot_partitions(
+                [r.step for r in self.history], [r.boundaries for r in self.history], path,
+                values=[r.step_s for r in self.history], value_label="step time (s)",
+                title="partitions over the logged steps",
+            )
+            self.partitions_picture = path
+            self._send_image(trainer, "pipeline/partitions", path, self.history[-1].step)
         from rich.console import Console
         from rich.table import Table
 
@@ -244,6 +345,9 @@ class PipelineMonitor(L.Callback):
         for s in stages:
             mean = sum(r.stage_compute_s.get(s, 0.0) for r in rows) / len(rows)
             table.add_row(f"stage {s} compute s/step", f"{mean:.4f}")
+        if any(r.recomputed_blocks or r.offloaded_blocks for r in rows):
+            table.add_row("recomputed blocks/step (mean)", f"{sum(r.recomputed_blocks for r in rows) / len(rows):.1f}")
+            table.add_row("offloaded blocks/step (mean)", f"{sum(r.offloaded_blocks for r in rows) / len(rows):.1f}")
         changes = sum(1 for a, b in zip(self.history, self.history[1:]) if a.boundaries != b.boundaries)
         table.add_row("repartitions seen", str(changes))
         table.add_row("schedules seen", ", ".join(dict.fromkeys(r.schedule for r in self.history)))

@@ -1,7 +1,8 @@
-"""Pure planning for per-batch repartitioning: cost model, profile fits, partition planner, trigger.
+"""Pure planning: plans, cost and memory models, partition and memory planners, repartition trigger.
 
 Numbers in, numbers out (numpy and scipy; no torch, no Lightning, no processes). Uses
-:mod:`lightning_pipe.schedules` to simulate programs. See ``docs/repartitioning.md``.
+:mod:`lightning_pipe.schedules` to simulate programs. See ``docs/repartitioning.md`` and
+``docs/memory.md``.
 
 Public API: the names in ``__all__`` below. Modules ``bounds`` and ``batch_simulation`` are the
 planner's machinery and may change.
@@ -17,8 +18,11 @@ from lightning_pipe.planning.boundaries import (
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost, UnitTables
 from lightning_pipe.planning.fit import LinearFit, TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
 from lightning_pipe.planning.gpt import gpt_1_3b, gpt_7b, gpt_cost_model
+from lightning_pipe.planning.memory_model import MemoryPlan, MemoryPrediction, MemoryProfile, StageMemory, predict_memory
+from lightning_pipe.planning.memory_planner import MemoryBudgetError, MemoryPlanResult, plan_memory
 from lightning_pipe.planning.migration import MigrationCalibration, MigrationEstimate, estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
+from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.traces import (
     LengthTrace,
     flan_like_trace,
@@ -41,10 +45,17 @@ __all__ = [
     "LengthTrace",
     "LinearCost",
     "LinearFit",
+    "MemoryBudgetError",
+    "MemoryPlan",
+    "MemoryPlanResult",
+    "MemoryPrediction",
+    "MemoryProfile",
     "MicrobatchShape",
     "MigrationCalibration",
     "MigrationEstimate",
     "PartitionPlan",
+    "PipelinePlan",
+    "StageMemory",
     "StepPrediction",
     "TimingSample",
     "TriggerConfig",
@@ -64,7 +75,9 @@ __all__ = [
     "gpt_1_3b",
     "gpt_7b",
     "gpt_cost_model",
+    "plan_memory",
     "plan_partition",
+    "predict_memory",
     "predicted_gain",
     "random_partition",
     "sample_flan_lengths",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
+import matplotlib.image
 import pytest
 
-from lightning_pipe import ElasticPipelineStrategy
+from lightning_pipe import ElasticPipelineStrategy, PipelinePlan
 from lightning_pipe.callbacks import PipelineMonitor
-from lightning_pipe.callbacks.monitor import RankReport, measured_step
-from lightning_pipe.schedules import F, TimedAction, B
+from lightning_pipe.callbacks.monitor import RankReport, measured_costs, measured_step
+from lightning_pipe.schedules import ActionCosts, B, F, TimedAction, render_png, resolve_schedule, simulate
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import START_METHOD, fit, logged, token_batches
 
@@ -42,9 +44,51 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
     assert (tmp_path / pictures[0]).stat().st_size > 10_000
 
 
-def test_monitor_refuses_other_strategies():
-    import lightning as L
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv"])
+def test_measured_costs_reproduce_the_measured_step(schedule):
+    """Simulating a program with the durations of one of its steps gives that step back; delays
+    that are not compute (waiting, transfers) only make the measured step longer."""
+    program = resolve_schedule(schedule).build(2, 4)
+    uneven = ActionCosts(
+        forward=((1.0, 2.0, 1.5, 1.0), (2.0, 1.0, 1.0, 3.0), (1.0, 1.0, 1.0, 1.0), (0.5, 2.0, 1.0, 1.0))[: program.num_stages],
+        backward=((2.0, 4.0, 3.0, 2.0), (4.0, 2.0, 2.0, 6.0), (2.0, 2.0, 2.0, 2.0), (1.0, 4.0, 2.0, 2.0))[: program.num_stages],
+    )
+    measured = simulate(program, uneven)
+    again = simulate(program, measured_costs(measured.events, program))
+    assert again.makespan == pytest.approx(measured.makespan)
+    delayed = [TimedAction(e.rank, e.action, e.start + 0.5 * e.rank, e.end + 0.5 * e.rank) for e in measured.events]
+    assert simulate(program, measured_costs(delayed, program)).makespan == pytest.approx(measured.makespan)
 
+
+class AlternatePartitions(L.Callback):
+    """Blocks [1, 3] on even batches, [3, 1] on odd ones."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        strategy = trainer.strategy
+        boundaries = (0, 1, 4) if batch_idx % 2 == 0 else (0, 3, 4)
+        strategy.apply_plan(PipelinePlan(boundaries, strategy.schedule, strategy.num_microbatches))
+
+
+def test_monitor_draws_partitions_simulation_and_memory_summary(tmp_path):
+    batches = token_batches(4, batch_size=4, lengths=[9, 5, 13, 7])
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, recompute="full", start_method=START_METHOD
+    )
+    monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=4, simulated_beside=True)
+    callbacks = [AlternatePartitions(), monitor]
+    fit(lambda: TinyGPT(layers=4).double(), batches, strategy, devices=2, steps=4, log_dir=tmp_path, callbacks=callbacks)
+
+    assert logged(tmp_path, "pipeline/recomputed_blocks") == [16.0] * 4  # 4 blocks x 4 microbatches
+    assert logged(tmp_path, "pipeline/offloaded_blocks") == [0.0] * 4
+    assert logged(tmp_path, "pipeline/boundary1") == [1.0, 3.0, 1.0, 3.0]
+    partitions = matplotlib.image.imread(tmp_path / "pipeline_partitions.png")
+    assert partitions.shape[1] > 500
+    single = render_png(simulate(resolve_schedule("1f1b").build(2, 4), ActionCosts.uniform(2, 4)), tmp_path / "one.png")
+    stacked = matplotlib.image.imread(tmp_path / "pipeline_timeline_step4.png")
+    assert stacked.shape[0] == 2 * matplotlib.image.imread(single).shape[0]  # measured over simulated
+
+
+def test_monitor_refuses_other_strategies():
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     with pytest.raises(TypeError, match="needs `strategy='elastic_pipe'`"):
         PipelineMonitor().setup(trainer, TinyGPT(), "fit")
