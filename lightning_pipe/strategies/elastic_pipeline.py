@@ -89,7 +89,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             sequence chunks of this size (HelixPipe's chunked MLP); None: in one piece.
         optimizer_offload: keep each stage's optimizer state and master weights in host memory and
             step each stage on a worker thread as soon as its gradients are final (SPipe); see
-            docs/memory.md for what it does not support.
+            docs/memory.md for what it does not support. Required for ``precision="16-mixed"``: the
+            stage steps unscale by the scaler's loss scale, and an overflow anywhere undoes every
+            stage's step on every rank while the scale backs off as with Lightning's scaler.
     """
 
     strategy_name = "elastic_pipe"
@@ -199,11 +201,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self.layout  # at `Trainer(...)`: pipeline_parallel_size must divide the process count
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+        if self._grad_scaler() is not None and not self.memory.optimizer_offload:
             raise ValueError(
-                f"`{type(self).__name__}` does not support `precision='16-mixed'` (float16 with a gradient scaler) yet: "
-                "backward runs inside the pipelined step, where Lightning's scaler does not scale the loss, and "
-                "skipping a step on overflow would have to be agreed by every stage. Use `precision='bf16-mixed'`."
+                f"`{type(self).__name__}` supports `precision='16-mixed'` (float16 with a gradient scaler) only with "
+                "`optimizer_offload=True`: backward runs inside the pipelined step, where Lightning's scaler does not "
+                "scale the loss, and skipping a step on overflow must be agreed by every stage, which the per-stage "
+                "host optimizers do. Use `optimizer_offload=True` or `precision='bf16-mixed'`."
             )
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
@@ -236,6 +239,14 @@ class ElasticPipelineStrategy(ParallelStrategy):
             compat.set_skip_backward(trainer, True)
         self.setup_precision_plugin()
         install_global_norm_clipping(self.precision_plugin, self._global_gradient_norm)
+        if self.memory.optimizer_offload:  # 16-mixed: the stage optimizers scale, unscale and agree
+            self.memory.grad_scaler = self._grad_scaler()
+
+    def _grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The precision plugin's enabled gradient scaler (``precision="16-mixed"``), or None."""
+        plugin = self.precision_plugin
+        scaler = plugin.scaler if isinstance(plugin, MixedPrecision) else None
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     def validate_module(self, module: Any, fitting: bool = True) -> None:
         """Raise the configuration errors that need only the module (no process group, no data).
@@ -401,9 +412,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         weights = [size / sum(sizes) for size in sizes]
         if train:
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            block_wrapper = self.memory.before_step(batch, rest)
+            # 16-mixed with optimizer offload: each microbatch's loss carries the scaler's loss scale
+            scale = self.memory.step_loss_scale or 1.0
             work = StepWork(
-                step_name, [(mb, *rest) for mb in microbatches], [w / accumulate for w in weights],
-                block_wrapper=self.memory.before_step(batch, rest),
+                step_name, [(mb, *rest) for mb in microbatches], [w / accumulate * scale for w in weights],
+                block_wrapper=block_wrapper,
             )
             program = self.program
         else:
@@ -482,13 +496,23 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Synchronize gradients (tied copies, data-parallel replicas) after the step, before clipping."""
+        """Synchronize gradients (tied copies, data-parallel replicas) after the step, before clipping.
+
+        With optimizer offload and a gradient scaler (16-mixed), the stage optimizers have already
+        scaled, unscaled, stepped (or undone) and updated the scale inside the closure, and every
+        device gradient is gone: the plain precision step runs instead of the scaler's (whose
+        ``unscale_``/``step`` would find no gradients), so the hooks still run and the user's
+        optimizer steps nothing.
+        """
 
         def closure_then_synchronize() -> Any:
             result = closure()
             self._synchronize_gradients(optimizer)
             return result
 
+        if self.memory.grad_scaler is not None:
+            model = model or self.lightning_module
+            return Precision.optimizer_step(self.precision_plugin, optimizer, model, closure_then_synchronize, **kwargs)
         return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
 
     def _owned_parameters(self, optimizer: Optimizer) -> list[Tensor]:

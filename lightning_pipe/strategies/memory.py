@@ -73,6 +73,11 @@ class StrategyMemory:
         planning_margin: fraction of the budget kept free when planning (measurement noise).
         optimizer_offload: per-stage host optimizers stepping during backward (SPipe,
             ``runtime/optimizer_offload.py``).
+
+    With ``optimizer_offload`` and a gradient scaler (``precision="16-mixed"``), the strategy sets
+    :attr:`grad_scaler`: each step's loss scale is read from it (:attr:`step_loss_scale`), the stage
+    steps unscale and check their gradients, every rank agrees on the overflow, and the scaler's own
+    update arithmetic runs on the agreed result (:meth:`_update_loss_scale`).
     """
 
     def __init__(
@@ -113,6 +118,9 @@ class StrategyMemory:
         self.stage_optimizers: StageOptimizers | None = None
         self.last_stage_steps: dict[int, StageStep] = {}
         self._offload_layout: tuple | None = None
+        self.grad_scaler: torch.amp.GradScaler | None = None  # 16-mixed with optimizer offload
+        self.step_loss_scale: float | None = None  # the loss scale of the running step (None: unscaled)
+        self.last_overflow = False  # whether the last offloaded step was undone for a non-finite gradient
 
     # --- wiring ----------------------------------------------------------------------------------
 
@@ -194,8 +202,12 @@ class StrategyMemory:
         self.last_step = step
         self._batch_tensors = []
         if self.stage_optimizers is not None:  # wait for the stage steps, weights back before the next forward
-            self.stage_optimizers.finish()
+            scaled = self.step_loss_scale is not None
+            self.last_overflow = self.stage_optimizers.finish(agree=self._agree_overflow if scaled else None)
             self.last_stage_steps = dict(self.stage_optimizers.records)
+            if scaled:
+                self._update_loss_scale(self.last_overflow)
+            self.step_loss_scale = None
 
     # --- optimizer offload -----------------------------------------------------------------------
 
@@ -204,7 +216,46 @@ class StrategyMemory:
         if self.stage_optimizers is None:
             self.stage_optimizers = StageOptimizers(self._single_optimizer(), self._stage_parameters())
             self._offload_layout = (tuple(strategy.boundaries), strategy.program.stage_to_rank)
-        self.stage_optimizers.start_step(strategy.num_microbatches)
+        self.step_loss_scale = self._current_loss_scale()
+        self.stage_optimizers.start_step(strategy.num_microbatches, loss_scale=self.step_loss_scale)
+
+    def _current_loss_scale(self) -> float | None:
+        """The gradient scaler's scale for this step (None without an enabled scaler).
+
+        ``GradScaler.scale`` creates the scale tensor on first use (from ``init_scale``, or from a
+        loaded checkpoint's value), so it is called once on a dummy tensor before reading the scale.
+        """
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        scaler.scale(torch.ones((), device=self._strategy.root_device))
+        return float(scaler.get_scale())
+
+    def _agree_overflow(self, overflow: bool) -> bool:
+        """Whether any rank (every pipeline and data-parallel rank) found a non-finite gradient.
+
+        A collective over the default process group: all ranks undo their stage steps together, so
+        replicas and stages never disagree about which updates happened.
+        """
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return overflow
+        flag = torch.tensor(float(overflow), device=self._strategy.root_device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def _update_loss_scale(self, overflow: bool) -> None:
+        """Advance the scaler exactly as ``GradScaler.update`` does after ``scaler.step``.
+
+        Lightning's ``unscale_``/``step`` never see the gradients here (the host optimizers own the
+        step), so the agreed overflow is recorded as the scaler's found-inf for this iteration and its
+        own ``update`` runs: backoff on overflow, growth after ``growth_interval`` clean steps, and the
+        growth tracker reset, all in the scaler's state that Lightning checkpoints.
+        """
+        scaler = self.grad_scaler
+        assert scaler is not None
+        found_inf = torch.full((), float(overflow), dtype=torch.float32, device=self._strategy.root_device)
+        scaler._per_optimizer_states[id(self.stage_optimizers)]["found_inf_per_device"][found_inf.device] = found_inf
+        scaler.update()
 
     def _single_optimizer(self) -> Optimizer:
         strategy = self._strategy

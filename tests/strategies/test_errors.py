@@ -54,10 +54,11 @@ def test_pipeline_size_must_divide_the_process_count():
 
 
 def test_float16_with_a_gradient_scaler_is_refused():
-    """fp16 AMP needs loss scaling inside the pipelined step and overflow decisions agreed by all stages."""
+    """fp16 AMP needs loss scaling inside the pipelined step and overflow decisions agreed by all stages:
+    refused without optimizer offload (with it, see tests/strategies/test_fp16_offload.py)."""
     scaled = MixedPrecision("16-mixed", "cpu")  # on GPUs `precision="16-mixed"` gives this plugin
     assert scaled.scaler is not None
-    with pytest.raises(ValueError, match=r"does not support `precision='16-mixed'`.*Use `precision='bf16-mixed'`"):
+    with pytest.raises(ValueError, match=r"supports `precision='16-mixed'`.*only with `optimizer_offload=True`.*Use `optimizer_offload=True` or `precision='bf16-mixed'`"):
         L.Trainer(accelerator="cpu", devices=2, strategy=pipeline(2), plugins=[scaled])
 
 
