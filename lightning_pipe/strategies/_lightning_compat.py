@@ -115,6 +115,17 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and any(t.is_meta for t in module.state_dict().values()):
+            # A module built on meta (`init_module(empty_init=True)`) has no storage to copy the trained
+            # weights into: it takes the loaded tensors themselves.
+            state = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+            module.load_state_dict(state, strict=False, assign=True)
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+            worker_output = worker_output._replace(weights_path=None)
+        super()._recover_results_in_main_process(worker_output, trainer)
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None

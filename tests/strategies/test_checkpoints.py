@@ -133,3 +133,8 @@ def test_module_built_empty_on_meta_resumes_exactly(saved, tmp_path):
     assert all(p.is_meta for p in model.parameters())
     trainer.fit(model, loader(BATCHES), ckpt_path=saved["path"])
     assert_same_checkpoint(torch.load(_checkpoint(tmp_path), weights_only=False), saved["expected4"])
+    # the main process gets the trained weights back, not its meta placeholders
+    trained = model.state_dict()
+    for name, expected in saved["expected4"]["state_dict"].items():
+        assert not trained[name].is_meta, name
+        torch.testing.assert_close(trained[name], expected, atol=1e-10, rtol=0)
