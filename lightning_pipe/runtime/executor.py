@@ -152,7 +152,7 @@ class PipelineExecutor:
         elif kind is ActionType.SEND_B:
             self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1), GRADIENT, stage, mb)
         elif kind in (ActionType.RECV_F, ActionType.RECV_B):
-            pass  # received where consumed; see the module docstring
+            return  # nothing to do here: the tensor is received where it is consumed (module docstring)
         else:
             raise RuntimeError(
                 f"Rank {self.pipeline_rank} has no runtime for action {action} ({kind.name}); "

@@ -12,6 +12,7 @@ profile (a heavy last stage stays heavy at the end).
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -288,17 +289,9 @@ def format_auto_table(rows: Sequence[AutoScheduleRow], *, limit: int | None = No
     """:func:`render_auto_table` rendered to plain text."""
     from rich.console import Console
 
-    console = Console(width=width, record=True, color_system=None, file=_NullFile())
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
     console.print(render_auto_table(rows, limit=limit))
     return console.export_text()
-
-
-class _NullFile:
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 def _bytes(value: float) -> str:

@@ -9,10 +9,11 @@ from lightning_pipe.planning.memory_model import format_size
 from lightning_pipe.planning.boundaries import balanced_partition, uniform_partition
 
 
-def unit_parameter_counts(module: nn.Module, layout: UnitLayout) -> list[int]:
-    """Number of parameter elements of every unit (pre, blocks..., post)."""
+def unit_parameter_counts(module: nn.Module, layout: UnitLayout, in_bytes: bool = False) -> list[int]:
+    """Number of parameter elements (or bytes) of every unit (pre, blocks..., post)."""
     params = dict(module.named_parameters(remove_duplicate=False))
-    return [sum(params[n].numel() for n in names if n in params) for names in layout.unit_names]
+    size = (lambda p: p.numel() * p.element_size()) if in_bytes else (lambda p: p.numel())
+    return [sum(size(params[n]) for n in names if n in params) for names in layout.unit_names]
 
 
 def initial_partition(spec: str | list[int], module: nn.Module, layout: UnitLayout, num_stages: int) -> tuple[int, ...]:
@@ -52,10 +53,7 @@ def check_budget_holds_stages(module: nn.Module, layout: UnitLayout, boundaries:
     Raises:
         ValueError: naming the stage, what it needs, and what to change.
     """
-    params = dict(module.named_parameters(remove_duplicate=False))
-    unit_bytes = [
-        sum(params[n].numel() * params[n].element_size() for n in names if n in params) for names in layout.unit_names
-    ]
+    unit_bytes = unit_parameter_counts(module, layout, in_bytes=True)
     last = len(boundaries) - 2
     for stage in range(last + 1):
         first_unit = 0 if stage == 0 else boundaries[stage] + 1
