@@ -51,21 +51,27 @@ class PointToPoint:
         bytes_sent: bytes posted so far (for the monitor).
         send_dtypes: precede activation messages with their dtypes (set it on both sides alike;
             needed when the receiver's meta-device prediction of dtypes can be wrong: autocast).
+        host_staging: copy device tensors to host memory before sending and received ones back to
+            the device (gloo has no point-to-point for CUDA tensors; ranks sharing one GPU use it).
     """
 
     group: dist.ProcessGroup | None = None
     pending: list[dist.Work] = field(default_factory=list)
     bytes_sent: int = 0
     send_dtypes: bool = False
+    host_staging: bool = False
 
     def send(self, tensors: list[Tensor], dst: int, kind: int, stage: int, microbatch: int) -> None:
         """Post asynchronous sends of ``tensors`` to global rank ``dst``."""
         if self.send_dtypes and kind == ACTIVATION and tensors:
-            codes = torch.tensor([_DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int64, device=tensors[0].device)
+            device = "cpu" if self.host_staging else tensors[0].device
+            codes = torch.tensor([_DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int64, device=device)
             tag = message_tag(DTYPES, stage, microbatch, 0)
             self.pending.append(dist.isend(codes, dst=dst, group=self.group, tag=tag))
         for leaf, tensor in enumerate(tensors):
             payload = tensor.detach().contiguous()
+            if self.host_staging:
+                payload = payload.cpu()  # synchronous: the send may start at once
             self.bytes_sent += payload.numel() * payload.element_size()
             tag = message_tag(kind, stage, microbatch, leaf)
             self.pending.append(dist.isend(payload, dst=dst, group=self.group, tag=tag))
@@ -84,18 +90,19 @@ class PointToPoint:
         ``stage`` is the *sending* stage, as in :meth:`send`. With ``send_dtypes``, the dtypes of
         activations are the sender's, whatever ``shapes`` says.
         """
+        wire = torch.device("cpu") if self.host_staging else device
         if self.send_dtypes and kind == ACTIVATION and shapes:
-            codes = torch.empty(len(shapes), dtype=torch.int64, device=device)
+            codes = torch.empty(len(shapes), dtype=torch.int64, device=wire)
             dist.irecv(codes, src=src, group=self.group, tag=message_tag(DTYPES, stage, microbatch, 0)).wait()
             shapes = [(shape, _DTYPE_LIST[code]) for (shape, _), code in zip(shapes, codes.tolist(), strict=True)]
-        buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        buffers = [torch.empty(shape, dtype=dtype, device=wire) for shape, dtype in shapes]
         works = [
             dist.irecv(buffer, src=src, group=self.group, tag=message_tag(kind, stage, microbatch, leaf))
             for leaf, buffer in enumerate(buffers)
         ]
         for work in works:
             work.wait()
-        return buffers
+        return [buffer.to(device) for buffer in buffers] if self.host_staging else buffers
 
     def wait_sends(self) -> None:
         """Block until every posted send completed (end of step)."""

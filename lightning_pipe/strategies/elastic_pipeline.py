@@ -92,6 +92,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             docs/memory.md for what it does not support. Required for ``precision="16-mixed"``: the
             stage steps unscale by the scaler's loss scale, and an overflow anywhere undoes every
             stage's step on every rank while the scale backs off as with Lightning's scaler.
+        ranks_per_device: processes sharing each device (development mode, default 1). With one GPU,
+            ``Trainer(accelerator="cuda", devices=1, strategy=ElasticPipelineStrategy(ranks_per_device=2))``
+            runs a 2-rank pipeline on it: NCCL refuses two ranks on one GPU, so the ranks talk over gloo
+            and activations travel through host memory. For checking the CUDA path and parity on a
+            single GPU, not for speed.
     """
 
     strategy_name = "elastic_pipe"
@@ -111,8 +116,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
         offload: bool | int = False,
         mlp_chunk_size: int | None = None,
         optimizer_offload: bool = False,
+        ranks_per_device: int = 1,
     ) -> None:
         super().__init__()
+        if ranks_per_device < 1:
+            raise ValueError(f"`ranks_per_device` must be at least 1, got {ranks_per_device}.")
+        if ranks_per_device > 1 and process_group_backend == "nccl":
+            raise ValueError(
+                f"`ranks_per_device={ranks_per_device}` shares one device between ranks, which NCCL refuses "
+                "('Duplicate GPU detected'). Leave `process_group_backend` unset (gloo is used) or use one rank per device."
+            )
         if pipeline_parallel_size is not None and pipeline_parallel_size < 1:
             raise ValueError(f"`pipeline_parallel_size` must be at least 1, got {pipeline_parallel_size}.")
         if num_microbatches is not None and num_microbatches < 1:
@@ -126,6 +139,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._partition_spec = partition
         self._process_group_backend = process_group_backend
         self._start_method = start_method
+        self._ranks_per_device = ranks_per_device
         self._timeout = timeout
         self._num_nodes = 1
         self.boundaries: tuple[int, ...] = ()
@@ -148,13 +162,13 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @property
     def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+        return len(self.parallel_devices) * self._ranks_per_device if self.parallel_devices is not None else 0
 
     @property
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        return self.parallel_devices[self.local_rank // self._ranks_per_device]
 
     @property
     def is_distributed(self) -> bool:
@@ -221,11 +235,18 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.layout  # validates pipeline_parallel_size against the process count before any process group
         super().setup_environment()
         self.set_world_ranks()
-        backend = self._process_group_backend or compat._get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        compat._init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         self.groups = create_process_groups(self.layout)
+
+    @property
+    def process_group_backend(self) -> str:
+        """The torch.distributed backend: the argument, else gloo when ranks share a device, else the
+        device's default (NCCL on CUDA, gloo on CPU)."""
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        if self._ranks_per_device > 1:
+            return "gloo"
+        return compat._get_default_process_group_backend_for_device(self.root_device)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -291,7 +312,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.executor = PipelineExecutor(
             self.runner,
             # autocast does not apply on the meta device: activations carry their real dtypes
-            PointToPoint(self.groups.pipeline, send_dtypes=isinstance(self.precision_plugin, MixedPrecision)),
+            PointToPoint(
+                self.groups.pipeline,
+                send_dtypes=isinstance(self.precision_plugin, MixedPrecision),
+                # gloo has no point-to-point for CUDA tensors: they travel through host memory
+                host_staging=self.process_group_backend == "gloo" and self.root_device.type == "cuda",
+            ),
             self.layout.pipeline_ranks(),
             self.layout.pipeline_rank,
             self.root_device,

@@ -66,13 +66,14 @@ def fit(
     steps: int = 3,
     log_dir: Path | None = None,
     precision: str = "64-true",
+    accelerator: str = "cpu",
     **trainer_kwargs: Any,
 ) -> L.LightningModule:
     """Seed, build, and fit; returns the trained module (whole, in this process)."""
     L.seed_everything(SEED, verbose=False)
     model = make_model()
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_steps=steps,
