@@ -122,6 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of step time vs budget")
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
+    parser.add_argument(
+        "--profile", help="a GPU profile from benchmarks/gpu/profile_blocks.py: a second table priced by its measured 7B costs"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
 
@@ -129,43 +132,54 @@ def main() -> None:
     print("measured saved bytes per token of one block (bf16): " + ", ".join(
         f"{m}: {a:.2f}*h + {b:.1f}*heads" for m, (a, b) in coefficients.items()))
     profile = gpt7b_profile(coefficients)
-    cost_model = gpt_cost_model(LAYERS, HIDDEN, HEADS, VOCAB, device_flops=312e12, efficiency=0.5)
+    sources = {"FLOP model (A100-class 312 TFLOP/s at 50%)": gpt_cost_model(
+        LAYERS, HIDDEN, HEADS, VOCAB, device_flops=312e12, efficiency=0.5)}
+    if args.profile:
+        from benchmarks.gpu.profile_blocks import load_measured_models
+
+        device, measured = load_measured_models(args.profile)
+        sources[f"measured on {device} ({args.profile})"] = measured["7b"]
 
     stage_counts = (4,) if args.quick else (4, 8)
     seqs = {"8k": 8192, "32k": 32768, "128k": 131072} if args.quick else {
         "8k": 8192, "16k": 16384, "32k": 32768, "64k": 65536, "128k": 131072, "mixed": None}
     budgets = (48, 80) if args.quick else (40, 48, 56, 64, 72, 80)
     policies = ("none", "full", "keep_attn", "planner", "planner+offload")
-    results = {}
-    for stages in stage_counts:
-        microbatches = 2 * stages
-        for label, length in seqs.items():
-            if length is None:  # long tail: one 128k, one 64k, two 32k, the rest 8k-16k
-                lengths = [131072, 65536, 32768, 32768] + [16384, 8192] * ((microbatches - 4) // 2)
-            else:
-                lengths = [length] * microbatches
-            for budget in budgets:
-                results[(stages, label, budget)] = run_policies(stages, lengths, budget * GIB, profile, cost_model)
-
-    header = f"| stages | seq | budget GiB | " + " | ".join(f"{p} s" for p in policies) + " | planner vs best fixed | offload host GiB |"
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    for (stages, label, budget), row in results.items():
-        cells = []
-        for p in policies:
-            seconds = row[p][0]
-            cells.append("OOM" if seconds is None else f"{seconds:.2f}")
-        fixed = [row[p][0] for p in ("none", "full", "keep_attn") if row[p][0] is not None]
-        gain = "" if not fixed or row["planner"][0] is None else f"{min(fixed) / row['planner'][0]:.2f}x"
-        host = row["planner+offload"][2]
-        print(f"| {stages} | {label} | {budget} | " + " | ".join(cells) + f" | {gain} | {host / GIB:.0f} |")
+    first_results = None
+    for costs, cost_model in sources.items():
+        results = {}
+        for stages in stage_counts:
+            microbatches = 2 * stages
+            for label, length in seqs.items():
+                if length is None:  # long tail: one 128k, one 64k, two 32k, the rest 8k-16k
+                    lengths = [131072, 65536, 32768, 32768] + [16384, 8192] * ((microbatches - 4) // 2)
+                else:
+                    lengths = [length] * microbatches
+                for budget in budgets:
+                    results[(stages, label, budget)] = run_policies(stages, lengths, budget * GIB, profile, cost_model)
+        first_results = first_results or results
+        print(f"\nstep seconds priced by: {costs}")
+        print_table(results, policies)
 
     print(
         f"\nmachine: {platform.machine()} {platform.system()}, python {platform.python_version()}, torch {torch.__version__}; "
         f"command: python {' '.join(sys.argv)}; wall {time.perf_counter() - started:.1f} s"
     )
     if args.plot:
-        plot(results, stage_counts, list(seqs), budgets, policies, args.plot)
+        plot(first_results, stage_counts, list(seqs), budgets, policies, args.plot)
+
+
+def print_table(results: dict, policies: tuple[str, ...]) -> None:
+    """One markdown row per (stages, sequence, budget): each policy's seconds, the planner's gain."""
+    header = "| stages | seq | budget GiB | " + " | ".join(f"{p} s" for p in policies) + " | planner vs best fixed | offload host GiB |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for (stages, label, budget), row in results.items():
+        cells = ["OOM" if row[p][0] is None else f"{row[p][0]:.2f}" for p in policies]
+        fixed = [row[p][0] for p in ("none", "full", "keep_attn") if row[p][0] is not None]
+        gain = "" if not fixed or row["planner"][0] is None else f"{min(fixed) / row['planner'][0]:.2f}x"
+        host = row["planner+offload"][2]
+        print(f"| {stages} | {label} | {budget} | " + " | ".join(cells) + f" | {gain} | {host / GIB:.0f} |")
 
 
 def plot(results, stage_counts, seqs, budgets, policies, path: Path) -> None:

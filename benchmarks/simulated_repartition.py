@@ -83,6 +83,7 @@ class Row:
 
     trace: str
     model: str
+    costs: str
     stages: int
     recompute: bool
     tokens: int
@@ -175,26 +176,38 @@ def longest_batch(batches: list[tuple[int, ...]]) -> int:
     return max(range(len(batches)), key=lambda i: (max(batches[i]), sum(batches[i])))
 
 
+def cost_sources(args: argparse.Namespace) -> dict[str, dict[str, CostModel]]:
+    """Cost models per source: the FLOP model, and with ``--profile`` the GPU-measured one."""
+    sources = {"FLOP": {name: make() for name, make in MODELS.items()}}
+    if args.profile:
+        from benchmarks.gpu.profile_blocks import load_measured_models
+
+        args.profile_device, sources["measured"] = load_measured_models(args.profile)
+    return sources
+
+
 def run_configuration(
-    trace: str, lengths: list[tuple[int, ...]], model_name: str, stages: int, args: argparse.Namespace
+    trace: str, lengths: list[tuple[int, ...]], model_name: str, stages: int, args: argparse.Namespace,
+    costs: str = "FLOP", models: dict[str, CostModel] | None = None,
 ) -> Row:
     """One (trace, model, stages) row: plan the static partition, run the three policies."""
     limit = args.memory_gib * GIB
     batches = [split_microbatches(batch, args.microbatches_per_stage * stages) for batch in lengths]
     longest = batches[longest_batch(lengths)]
     recompute = False
-    model = MODELS[model_name]()
+    model = (models or {name: make() for name, make in MODELS.items()})[model_name]
     try:
         static_plan = plan_partition(model, longest, "1f1b", stages, limit)
     except ValueError:
         recompute = True
-        model = MODELS[model_name](full_recompute=True)
+        model = model.with_full_recompute()
         static_plan = plan_partition(model, longest, "1f1b", stages, limit)
     evaluate = Evaluator(model, batches, stages)
     config = TriggerConfig(mode="auto", margin=args.margin, horizon_steps=args.horizon)
     return Row(
         trace=trace,
         model=model_name,
+        costs=costs,
         stages=stages,
         recompute=recompute,
         tokens=sum(sum(batch) for batch in lengths),
@@ -212,6 +225,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     for column in (
         "trace",
         "model",
+        "costs",
         "stages",
         "recompute",
         "elastic tok/s",
@@ -231,6 +245,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
         table.add_row(
             row.trace,
             row.model,
+            row.costs,
             str(row.stages),
             "yes" if row.recompute else "no",
             f"{elastic:,.0f}",
@@ -248,15 +263,21 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     def mean(values: list[float]) -> float:
         return sum(values) / len(values)
 
-    console.print(
-        f"mean speedup of elastic: {mean([r.throughput(r.elastic) / r.throughput(r.static) for r in rows]):.3f}x vs "
-        f"static, {mean([r.throughput(r.elastic) / r.throughput(r.uniform) for r in rows]):.3f}x vs uniform"
-    )
+    for costs in dict.fromkeys(r.costs for r in rows):
+        some = [r for r in rows if r.costs == costs]
+        console.print(
+            f"mean speedup of elastic ({costs} costs): {mean([r.throughput(r.elastic) / r.throughput(r.static) for r in some]):.3f}x "
+            f"vs static, {mean([r.throughput(r.elastic) / r.throughput(r.uniform) for r in some]):.3f}x vs uniform"
+        )
     console.print(
         f"run: python benchmarks/simulated_repartition.py {' '.join(sys.argv[1:])}  |  {args.batches} batches per "
         f"trace, seed {args.seed}, {args.memory_gib:g} GiB, migration bandwidth {args.migration_bandwidth:.3g} B/s, "
         f"trigger margin {args.margin}, horizon {args.horizon}, recent {args.recent}, gap {args.gap}  |  "
         f"{platform.python_version()}, {platform.machine()}, wall {wall:.1f} s"
+    )
+    console.print(
+        "costs: FLOP = planning.gpt's analytic model (A100-class 312 TFLOP/s at 50%)"
+        + (f"; measured = blocks and head measured on {args.profile_device} ({args.profile})" if args.profile else "")
     )
 
 
@@ -277,13 +298,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gap", type=float, default=0.0, help="planner relative gap (0: exact)")
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--plot", help="PNG of the first configuration's elastic partitions over the batches")
+    parser.add_argument(
+        "--profile", help="a GPU profile from benchmarks/gpu/profile_blocks.py: adds rows priced by its measured costs"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.models, args.stages, args.traces = 6, "1.3b", "4", "flan"
     started = time.perf_counter()
     workloads = traces(args.batches, args.seed)
     rows = [
-        run_configuration(trace, workloads[trace], model, int(stages), args)
+        run_configuration(trace, workloads[trace], model, int(stages), args, costs, models)
+        for costs, models in cost_sources(args).items()
         for trace in args.traces.split(",")
         for model in args.models.split(",")
         for stages in args.stages.split(",")

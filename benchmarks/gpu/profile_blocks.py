@@ -160,6 +160,14 @@ def measured_cost_model(analytic: CostModel, fits: dict) -> CostModel:
     return dataclasses.replace(analytic, units=tuple(units))
 
 
+def load_measured_models(path: str | Path) -> tuple[str, dict[str, CostModel]]:
+    """The device name and the measured cost model per size (``"1.3b"``, ``"7b"``) of a profile this
+    script wrote; for the simulated benchmarks' ``--profile`` option."""
+    data = json.loads(Path(path).read_text())
+    short = {"gpt_1_3b": "1.3b", "gpt_7b": "7b"}
+    return data["device"], {short[name]: CostModel.from_dict(size["cost_model"]) for name, size in data["sizes"].items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_profile.json"))

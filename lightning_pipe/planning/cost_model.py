@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +277,21 @@ class CostModel:
         from lightning_pipe.planning.gpt import gpt_cost_model
 
         return gpt_cost_model(num_layers, hidden, heads, vocab, **options)
+
+    def with_full_recompute(self) -> CostModel:
+        """The same model with every block fully recomputed: a block keeps only its input (its
+        predecessor's output bytes per token) and its backward runs its forward again first.
+
+        For measured models (a GPU profile), where the analytic ``full_recompute`` option of
+        :func:`~lightning_pipe.planning.gpt.gpt_cost_model` does not apply.
+        """
+        units = list(self.units)
+        for i in range(1, len(units) - 1):
+            unit = units[i]
+            backward = LinearCost(*(float(x) for x in unit.backward.as_array() + unit.forward.as_array()))
+            kept = LinearCost(0.0, units[i - 1].output_bytes_per_token, 0.0)
+            units[i] = replace(unit, backward=backward, saved_bytes=kept)
+        return replace(self, units=tuple(units))
 
     def to_dict(self) -> dict:
         """JSON-ready dictionary (the profile format); ``bandwidth`` ``inf`` is written as ``null``."""

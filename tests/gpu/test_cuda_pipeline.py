@@ -9,7 +9,7 @@ import torch
 from lightning_pipe import ElasticPipelineStrategy
 from lightning_pipe.callbacks import PipelineMonitor
 from tests.helpers.callbacks import RandomPlans
-from tests.helpers.gpu import max_parameter_difference, record, requires_cuda
+from tests.helpers.gpu import DEVICE, max_parameter_difference, record, requires_cuda
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import fit, logged, reference_batches, token_batches
 
@@ -27,11 +27,11 @@ def _pipeline(schedule: str = "1f1b", **options) -> ElasticPipelineStrategy:
 
 def _pair(tmp_path, make, strategy, precision="64-true", callbacks=()):
     pipelined = fit(
-        make, BATCHES, strategy, devices=1, accelerator="cuda", steps=STEPS, precision=precision,
+        make, BATCHES, strategy, devices=1, accelerator=DEVICE, steps=STEPS, precision=precision,
         log_dir=tmp_path / "pipe", callbacks=list(callbacks),
     )
     reference = fit(
-        make, reference_batches(BATCHES, 1), devices=1, accelerator="cuda", steps=STEPS, precision=precision,
+        make, reference_batches(BATCHES, 1), devices=1, accelerator=DEVICE, steps=STEPS, precision=precision,
         log_dir=tmp_path / "ref",
     )
     return pipelined, reference
@@ -56,11 +56,16 @@ def test_float64_parity_with_repartitioning_every_step(tmp_path):
 
 
 def test_float32_parity_within_rounding(tmp_path):
-    """Microbatches change the reduction order of float32 kernels: equal to rounding, stated here."""
-    pipelined, reference = _pair(tmp_path, lambda: TinyGPT(layers=4), _pipeline(), precision="32-true")
+    """Microbatches change the reduction order of float32 kernels: equal to rounding, stated here.
+
+    SGD with momentum, not AdamW: Adam's first steps move every parameter by about ``lr`` whatever
+    its gradient's size, so a gradient that is rounding noise would turn into an ``lr``-sized
+    difference and say nothing about the pipeline."""
+    make = lambda: TinyGPT(layers=4, optimizer="sgd")  # noqa: E731
+    pipelined, reference = _pair(tmp_path, make, _pipeline(), precision="32-true")
     difference = max_parameter_difference(pipelined, reference)
-    record("float32 parity 1f1b, max |param diff| after 3 AdamW steps (lr 1e-2)", difference)
-    assert difference < 1e-4
+    record("float32 parity 1f1b, max |param diff| after 3 SGD steps (lr 1e-2, momentum 0.9)", difference)
+    assert difference < 1e-5
     losses = logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "ref", "train_loss")
     torch.testing.assert_close(*losses, rtol=1e-5, atol=1e-5)
 
@@ -78,9 +83,9 @@ def test_bf16_mixed_loss_curve(tmp_path):
 def test_activation_offload_and_recompute_are_bit_exact(tmp_path):
     """Saved activations through pinned host buffers on a side stream, and recompute, change nothing."""
     make = lambda: TinyGPT(layers=4).double()  # noqa: E731  (float64: deterministic attention kernels)
-    plain = fit(make, BATCHES, _pipeline(), devices=1, accelerator="cuda", steps=STEPS)
-    offloaded = fit(make, BATCHES, _pipeline(offload=True), devices=1, accelerator="cuda", steps=STEPS)
-    recomputed = fit(make, BATCHES, _pipeline(recompute="full", offload=1), devices=1, accelerator="cuda", steps=STEPS)
+    plain = fit(make, BATCHES, _pipeline(), devices=1, accelerator=DEVICE, steps=STEPS)
+    offloaded = fit(make, BATCHES, _pipeline(offload=True), devices=1, accelerator=DEVICE, steps=STEPS)
+    recomputed = fit(make, BATCHES, _pipeline(recompute="full", offload=1), devices=1, accelerator=DEVICE, steps=STEPS)
     record("offload vs no offload, max |param diff|", max_parameter_difference(offloaded, plain))
     assert max_parameter_difference(offloaded, plain) == 0.0
     assert max_parameter_difference(recomputed, plain) == 0.0

@@ -133,3 +133,15 @@ def test_gpt_full_recompute_trades_memory_for_a_forward():
     assert cheap.saved_bytes == LinearCost(0.0, 2 * 64, 0.0)
     assert cheap.backward.per_token == pytest.approx(1.5 * block.backward.per_token)
     assert cheap.forward == block.forward
+
+
+def test_full_recompute_of_a_model_equals_the_analytic_option():
+    """A measured model gets recompute the way the analytic GPT model prices it."""
+    from lightning_pipe.planning.gpt import gpt_1_3b
+
+    derived, analytic = gpt_1_3b().with_full_recompute(), gpt_1_3b(full_recompute=True)
+    shape = MicrobatchShape.from_lengths([4096, 1024])
+    for mine, theirs in zip(derived.units, analytic.units, strict=True):
+        assert mine.saved_bytes.evaluate(shape) == pytest.approx(theirs.saved_bytes.evaluate(shape))
+        assert mine.backward.evaluate(shape) == pytest.approx(theirs.backward.evaluate(shape))
+    assert derived.units[1].saved_bytes.evaluate(shape) < gpt_1_3b().units[1].saved_bytes.evaluate(shape)
