@@ -7,10 +7,9 @@ when the stage reaches its first block on the meta device, and this keeps microb
 have any shape without a shape exchange. The program's ``RECV_*`` actions therefore only assert
 order; validated programs place them right before their consumer.
 
-Zero-bubble split backward: ``I`` computes the input gradients with ``torch.autograd.grad``
-(retaining the graph, accumulating nothing) and ``W`` runs the full backward later, which
-accumulates the weight gradients; the input gradients ``W`` recomputes are discarded. Exact by
-construction, at the cost of walking the shared part of the graph twice.
+Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes only the input
+gradients and records the gradients at the nodes where each parameter's subgraph meets the input
+path; ``W`` starts there and computes only the weight gradients. Together they cost one backward.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from torch import Tensor
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PointToPoint
+from lightning_pipe.runtime.split_backward import WeightPass, backward_input
 from lightning_pipe.schedules.ir import Action, ActionType, Program
 
 
@@ -85,6 +85,7 @@ class _Slot:
     loss: Tensor | None = None
     input_grads: list[Tensor] | None = None
     output_grads: list[Tensor | None] | None = None
+    weight_pass: WeightPass | None = None
 
 
 class PipelineExecutor:
@@ -229,22 +230,18 @@ class PipelineExecutor:
                 torch.autograd.backward(outputs, grads)
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
             _release(slot)
-        else:
-            needs = [t for t in inputs if t.requires_grad]
-            computed = (
-                torch.autograd.grad(outputs, needs, grads, retain_graph=True, allow_unused=True) if outputs and needs else []
-            )
-            by_id = {id(t): g for t, g in zip(needs, computed)}
-            input_grads = [by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t) for t in inputs]
+        else:  # zero-bubble I: input gradients only; W later computes only the weights' (split_backward.py)
+            computed, slot.weight_pass = backward_input(outputs, grads, inputs)
+            input_grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, computed)]
         slot.input_grads = input_grads
         if stage > 0 and self._program.rank_of(stage - 1) == self.pipeline_rank:
             self._local_gradients[(stage - 1, mb)] = input_grads
 
     def _backward_weight(self, stage: int, mb: int) -> None:
         slot = self._slots[(stage, mb)]
-        outputs, grads = self._output_gradients(stage, mb, slot)
-        if outputs:
-            torch.autograd.backward(outputs, grads)
+        if slot.weight_pass is None:
+            raise RuntimeError(f"Rank {self.pipeline_rank}: W of stage {stage} microbatch {mb} before its I (order of the program?).")
+        slot.weight_pass.run()
         _release(slot)
 
     def _slot(self, action: Action) -> _Slot:
@@ -262,6 +259,7 @@ def _release(slot: _Slot) -> None:
     slot.result = StageResult()
     slot.loss = None
     slot.output_grads = None
+    slot.weight_pass = None
 
 
 def _extract_loss(step_output: Any, step_name: str) -> Tensor:

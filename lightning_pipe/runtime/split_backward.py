@@ -1,0 +1,179 @@
+"""Zero-bubble's split backward: an input-gradient pass (I) now, a weight-gradient pass (W) later.
+
+I computes only the gradients of the stage's inputs (what the previous stage waits for). On the
+way, it records the gradient flowing into every graph node where a parameter's own subgraph meets
+the path from the inputs to the outputs (the "intermediates", found as in torch's
+``torch.distributed.pipelining._backward``). W starts from those nodes with those gradients and
+computes only the parameters' gradients, one parameter group at a time, so no input gradient is
+computed twice. Parameters whose subgraph never meets that path (all of them on a first stage,
+whose inputs are token ids) start from the stage outputs with the output gradients.
+
+W accumulates through the autograd engine (``torch.autograd.backward(..., inputs=params)``), so
+``.grad`` accumulation and post-accumulate-grad hooks (optimizer offload) work as in one pass.
+The gradients are exact: the same chain rule in another order of summation per parameter.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, Node
+
+from lightning_pipe.runtime._torch_compat import grad_output_count
+
+
+@dataclass
+class _Group:
+    """Parameters whose weight gradients start at the same intermediate nodes."""
+
+    params: set[Node]
+    intermediates: set[Node]
+    grads: dict[Node, tuple[Tensor | None, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class WeightPass:
+    """What the I pass kept for the W pass of one (stage, microbatch)."""
+
+    groups: list[_Group]
+    params_by_node: dict[Node, Tensor]
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into ``.grad``; the W action."""
+        for group in self.groups:
+            edges, grads = [], []
+            for node, captured in group.grads.items():
+                for index, grad in enumerate(captured):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, index))
+                        grads.append(grad)
+            if not edges:
+                continue
+            handles = []
+            if len(group.grads) > 1:  # a node also reached through another one gets its own gradient once
+                handles = [node.register_prehook(lambda _, saved=captured: saved) for node, captured in group.grads.items()]
+            try:
+                params = [self.params_by_node[node] for node in group.params]
+                torch.autograd.backward(edges, grad_tensors=grads, inputs=params, retain_graph=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        self.groups = []
+
+
+def _node(tensor: Tensor) -> Node | None:
+    """The tensor's grad_fn, or for a leaf its gradient accumulator."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    if tensor.requires_grad:
+        return tensor.view_as(tensor).grad_fn.next_functions[0][0]
+    return None
+
+
+def _reverse_edges(roots: list[Node]) -> dict[Node, list[Node]]:
+    """For every node below ``roots``, the nodes that feed gradients into it."""
+    reverse: dict[Node, list[Node]] = collections.defaultdict(list)
+    queue, seen = collections.deque(roots), set(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            reverse[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return reverse
+
+
+def _walk_up(starts: list[Node], reverse: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reached from ``starts`` towards the outputs, not passing through ``stop``; and the
+    ``stop`` nodes met."""
+    reached, met = set(starts), set()
+    queue = collections.deque(starts)
+    while queue:
+        for parent in reverse.get(queue.popleft(), ()):
+            if parent in stop:
+                met.add(parent)
+            elif parent not in reached:
+                reached.add(parent)
+                queue.append(parent)
+    return reached, met
+
+
+def _groups(outputs: list[Node], inputs: list[Node], params: list[Node], reverse) -> list[_Group]:
+    on_path, _ = _walk_up(inputs, reverse, set())  # from the inputs up to the outputs
+    targets = on_path | set(outputs)
+    by_intermediate: dict[Node, _Group] = {}
+    for param in params:
+        _, met = _walk_up([param], reverse, targets)
+        if param in targets:  # a parameter that is itself an output (rare): start from it
+            met.add(param)
+        group = _Group({param}, met)
+        for node in met:
+            existing = by_intermediate.get(node)
+            if existing is not None and existing is not group:
+                existing.params |= group.params
+                existing.intermediates |= group.intermediates
+                for other in group.intermediates:
+                    by_intermediate[other] = existing
+                group = existing
+            by_intermediate[node] = group
+    unique = {id(g): g for g in by_intermediate.values()}
+    return list(unique.values())
+
+
+def backward_input(
+    outputs: list[Tensor], output_grads: list[Tensor | None], inputs: list[Tensor]
+) -> tuple[list[Tensor | None], WeightPass]:
+    """The I pass: gradients of ``inputs`` (None where unused), and what W needs.
+
+    Args:
+        outputs: the stage's outputs (or its loss) that carry gradients.
+        output_grads: the gradient of each output (None: ones, for a scalar loss).
+        inputs: the stage's floating-point inputs (those not requiring grad get None).
+
+    The parameters W computes are every ``nn.Parameter`` the outputs depend on (found in the graph).
+    """
+    output_nodes = [n for n in map(_node, outputs) if n is not None]
+    input_nodes = [n for n in (_node(t) for t in inputs if t.requires_grad) if n is not None]
+    reverse = _reverse_edges(output_nodes)
+    param_nodes = {
+        node: node.variable for node in reverse if isinstance(getattr(node, "variable", None), nn.Parameter)
+    }
+    groups = [g for g in _groups(output_nodes, input_nodes, list(param_nodes), reverse) if g.intermediates]
+    captured: dict[Node, tuple[Tensor | None, ...]] = {}
+    handles = []
+    for node in {n for g in groups for n in g.intermediates}:
+        handles.append(node.register_prehook(lambda grads, node=node: captured.__setitem__(node, tuple(grads))))
+    needs = [t for t in inputs if t.requires_grad]
+    try:
+        computed = (
+            torch.autograd.grad(outputs, needs, output_grads, retain_graph=True, allow_unused=True)
+            if outputs and needs else ()
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    _fill_from_outputs(captured, outputs, output_grads)
+    for group in groups:
+        group.grads = {node: captured[node] for node in group.intermediates if node in captured}
+    by_id = {id(t): g for t, g in zip(needs, computed)}
+    return [by_id.get(id(t)) for t in inputs], WeightPass(groups, param_nodes)
+
+
+def _fill_from_outputs(captured: dict, outputs: list[Tensor], output_grads: list[Tensor | None]) -> None:
+    """Output nodes the I pass did not run (no input needed them) start W with the output gradients."""
+    for output, grad in zip(outputs, output_grads, strict=True):
+        node = output.grad_fn
+        if node is None or (node in captured and not isinstance(captured[node], list)):
+            continue
+        slots = captured.setdefault(node, [None] * grad_output_count(node))
+        grad = torch.ones_like(output) if grad is None else grad
+        slots[output.output_nr] = grad if slots[output.output_nr] is None else slots[output.output_nr] + grad
+    for node, slots in captured.items():
+        if isinstance(slots, list):
+            captured[node] = tuple(slots)

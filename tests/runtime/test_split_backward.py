@@ -1,0 +1,120 @@
+"""Zero-bubble's split backward: I (input gradients) + W (weight gradients) equal one backward,
+in values and in work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_pipe.runtime._torch_compat import grad_output_count
+from lightning_pipe.runtime.split_backward import backward_input
+from tests.helpers.models import Block
+
+
+class SharedAndSide(nn.Module):
+    """A layer applied twice (weights shared across depth), a free parameter added to the output
+    (off the input path), and a second output that does not depend on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.other = nn.Linear(8, 8)
+        self.offset = nn.Parameter(torch.randn(8, dtype=torch.float64))
+        self.side = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(x))
+        h = self.other(h) + self.shared(h)
+        return h * 2 + self.offset, self.side.square()
+
+
+def _split_and_full(module, make_inputs, grads):
+    reference = copy.deepcopy(module)
+    inputs = make_inputs()
+    outputs = module(*inputs)
+    outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+    floats = [t for t in inputs if t.is_floating_point()]
+    with FlopCounterMode(display=False) as flops_i:
+        input_grads, weight_pass = backward_input(outputs, grads, floats)
+    with FlopCounterMode(display=False) as flops_w:
+        weight_pass.run()
+    ref_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in make_inputs()]
+    ref_outputs = reference(*ref_inputs)
+    ref_outputs = list(ref_outputs) if isinstance(ref_outputs, tuple) else [ref_outputs]
+    with FlopCounterMode(display=False) as flops_full:
+        torch.autograd.backward(ref_outputs, [torch.ones_like(o) if g is None else g for o, g in zip(ref_outputs, grads)])
+    for got, want in zip(input_grads, [t for t in ref_inputs if t.is_floating_point()]):
+        assert (got is None) == (want.grad is None) and (got is None or torch.equal(got, want.grad))
+    for (name, p), q in zip(module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    return flops_i.get_total_flops(), flops_w.get_total_flops(), flops_full.get_total_flops()
+
+
+def test_i_plus_w_is_one_backward_on_transformer_blocks():
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[Block(16, 2) for _ in range(3)]).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    grad = torch.randn(2, 5, 16, dtype=torch.float64)
+    i, w, full = _split_and_full(blocks, lambda: [x.clone().requires_grad_()], [grad])
+    assert i + w == full  # the old W re-ran the whole backward: i + full
+    assert 0.3 * full < i < 0.7 * full
+
+
+def test_shared_weights_free_parameters_and_outputs_off_the_input_path():
+    torch.manual_seed(0)
+    module = SharedAndSide().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    grads = [torch.randn(4, 8, dtype=torch.float64), torch.randn(3, dtype=torch.float64)]
+    _split_and_full(module, lambda: [x.clone().requires_grad_()], grads)
+
+
+def test_first_stage_without_input_gradients_computes_every_weight_in_w():
+    """Token ids need no gradient: I computes nothing, W everything (the loss as a scalar output)."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(10, 8).double(), nn.Linear(8, 10).double()
+    module = nn.Sequential(embed, head)
+    ids = torch.randint(0, 10, (3, 4))
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, ids):
+            return self.inner(ids).logsumexp(-1).mean()
+
+    i, w, full = _split_and_full(Loss(), lambda: [ids], [None])
+    assert i == 0 and w == full
+
+
+def test_w_accumulates_through_the_engine():
+    """Existing .grad (an accumulation window) is added to, and post-accumulate hooks fire (optimizer offload)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4).double()
+    before = {n: torch.randn_like(p) for n, p in layer.named_parameters()}
+    for n, p in layer.named_parameters():
+        p.grad = before[n].clone()
+    fired = []
+    for p in layer.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    grad = torch.ones_like(out)
+    _, weight_pass = backward_input([out], [grad], [x])
+    assert not fired
+    weight_pass.run()
+    assert len(fired) == 2
+    torch.testing.assert_close(layer.weight.grad, before["weight"] + grad.T @ x.detach())
+    torch.testing.assert_close(layer.bias.grad, before["bias"] + grad.sum(0))
+
+
+def test_private_torch_name_is_still_there():
+    x = torch.randn(4, requires_grad=True)
+    first, _ = x.split(2)
+    assert grad_output_count(first.grad_fn) == 2
+    with pytest.raises(RuntimeError, match="_torch_compat"):
+        grad_output_count(object())
