@@ -6,6 +6,9 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
 * ``pipeline/tokens_per_s``, ``pipeline/step_s``: throughput and wall time of the step,
 * ``pipeline/bubble_ratio``: idle share of the step measured from per-rank busy time (time blocked
   in receives is idle, not busy),
+* ``pipeline/simulated_bubble_ratio``: the bubble the simulator predicts for the same program with
+  this step's measured compute times (free communication); the difference to the measured one is
+  communication, waiting and framework time between actions,
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
 * ``pipeline/rank{r}_peak_memory_bytes``: peak memory per rank (CUDA allocator peak, or the process's
   resident-set peak on CPU),
@@ -39,7 +42,7 @@ import lightning as L
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_pipe.schedules import ActionCosts, ActionType, TimedAction
+from lightning_pipe.schedules import ActionCosts, ActionType, TimedAction, simulate
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class StepSummary:
     tokens_per_s: float
     step_s: float
     bubble_ratio: float
+    simulated_bubble_ratio: float = 0.0
     stage_compute_s: dict[int, float] = field(default_factory=dict)
     migrated_bytes: int = 0
     recomputed_blocks: int = 0
@@ -235,6 +239,7 @@ class PipelineMonitor(L.Callback):
             "pipeline/tokens_per_s": summary.tokens_per_s,
             "pipeline/step_s": summary.step_s,
             "pipeline/bubble_ratio": summary.bubble_ratio,
+            "pipeline/simulated_bubble_ratio": summary.simulated_bubble_ratio,
             "pipeline/num_stages": float(len(summary.boundaries) - 1),
             "pipeline/num_microbatches": float(summary.num_microbatches),
             "pipeline/migrated_bytes": float(summary.migrated_bytes),
@@ -257,6 +262,7 @@ class PipelineMonitor(L.Callback):
             if e.action.type in _COMPUTE:
                 stage_compute[e.action.stage] = stage_compute.get(e.action.stage, 0.0) + e.duration
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
+        simulated = simulate(strategy.program, measured_costs(events, strategy.program)) if events else None
         recomputed, offloaded = _memory_plan_counts(strategy)
         return StepSummary(
             step=step,
@@ -266,6 +272,7 @@ class PipelineMonitor(L.Callback):
             tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
             step_s=step_s,
             bubble_ratio=bubble,
+            simulated_bubble_ratio=simulated.bubble_ratio if simulated is not None else 0.0,
             stage_compute_s=dict(sorted(stage_compute.items())),
             migrated_bytes=sum(r.migrated_bytes for r in reports),
             recomputed_blocks=recomputed,
@@ -294,8 +301,6 @@ class PipelineMonitor(L.Callback):
         path = os.path.join(self._directory(trainer), f"pipeline_timeline_step{step}.png")
         render_png(events, path, title=f"measured step {step} (bubble {bubble:.2f})")
         if self.simulated_beside:
-            from lightning_pipe.schedules import simulate
-
             simulated = simulate(strategy.program, measured_costs(events, strategy.program))
             beside = path.replace(".png", "_simulated.png")
             render_png(
@@ -341,6 +346,7 @@ class PipelineMonitor(L.Callback):
         table.add_row("logged steps", str(len(self.history)))
         table.add_row("tokens/s (mean)", f"{sum(r.tokens_per_s for r in rows) / len(rows):,.0f}")
         table.add_row("bubble ratio (mean)", f"{sum(r.bubble_ratio for r in rows) / len(rows):.3f}")
+        table.add_row("simulated bubble (mean)", f"{sum(r.simulated_bubble_ratio for r in rows) / len(rows):.3f}")
         stages = sorted({s for r in rows for s in r.stage_compute_s})
         for s in stages:
             mean = sum(r.stage_compute_s.get(s, 0.0) for r in rows) / len(rows)

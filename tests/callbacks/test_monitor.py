@@ -34,6 +34,9 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
 
     bubbles = logged(tmp_path, "pipeline/bubble_ratio")
     assert len(bubbles) == 4 and all(0.0 <= b < 1.0 for b in bubbles)
+    simulated = logged(tmp_path, "pipeline/simulated_bubble_ratio")
+    # communication and waiting only add idle time to what the schedule itself leaves
+    assert len(simulated) == 4 and all(0.0 < s <= b + 1e-9 for s, b in zip(simulated, bubbles))
     assert all(t > 0 for t in logged(tmp_path, "pipeline/stage0_compute_s") + logged(tmp_path, "pipeline/stage1_compute_s"))
     assert all(t > 0 for t in logged(tmp_path, "pipeline/tokens_per_s"))
     assert logged(tmp_path, "pipeline/rank1_peak_memory_bytes")[0] > 0
