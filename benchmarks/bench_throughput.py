@@ -30,6 +30,13 @@ Run from the repository root (about one and a half minutes on 2 cores):
 
     python benchmarks/bench_throughput.py
     python benchmarks/bench_throughput.py --steps 40 --n-layer 12 --only ddp torch-1f1b
+    python benchmarks/bench_throughput.py --pairs 5 --breakdown     # torch-1f1b vs lightning-pipe
+
+``--pairs N`` runs torch's Schedule1F1B and lightning-pipe alternately N times (the order flips
+every pair) and prints each pair's throughput ratio and the median. ``--breakdown`` adds the
+``PipelineMonitor`` to the lightning-pipe runs and prints where rank 0's step went (compute,
+receive waits, sends, the executor between actions, everything outside the program); the monitor
+gathers per-rank timings every step, which costs a little of the throughput it reports.
 """
 
 import argparse
@@ -42,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -78,6 +85,7 @@ class RankResult:
     rss_growth_bytes: int
     param_bytes: int
     final_loss: float
+    breakdown: dict = field(default_factory=dict)
 
 
 def peak_rss_bytes() -> int:
@@ -308,7 +316,17 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
             loss = trainer.callback_metrics.get("train_loss", torch.tensor(float("nan"))).item()
             held = param_bytes(pl_module)
             rank = trainer.global_rank
-            write(out, result(args, "lightning-pipe", rank, 2, seconds, rss_before, held, loss))
+            outcome = result(args, "lightning-pipe", rank, 2, seconds, rss_before, held, loss)
+            if monitor is not None and monitor.history:
+                timed = monitor.history[args.warmup :]
+                outcome.breakdown = {k: statistics.median(r.time_s[k] for r in timed) for k in timed[0].time_s}
+            write(out, outcome)
+
+    monitor = None
+    if args.breakdown:
+        from lightning_pipe.callbacks import PipelineMonitor
+
+        monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=0)
 
     data = TokenBatches(args.warmup + args.steps, args.global_batch, fixed_len=args.seq_len, seed=args.seed)
     trainer = L.Trainer(
@@ -322,7 +340,7 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Timer()],
+        callbacks=[Timer()] + ([monitor] if monitor is not None else []),
         # One pipeline replica (pp=2, dp=1) needs no sharding; without this Lightning would
         # shuffle the batches and the final loss could not be compared with the other rows.
         use_distributed_sampler=False,
@@ -367,7 +385,8 @@ def launch(config: str, args: argparse.Namespace, out: str) -> tuple[list[RankRe
 
 def forwarded_flags(args: argparse.Namespace) -> list[str]:
     names = ["steps", "warmup", "global_batch", "microbatches", "seq_len", "n_layer", "n_head", "n_embd", "seed"]
-    return [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    flags = [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    return flags + (["--breakdown"] if args.breakdown else [])
 
 
 def print_table(args, rows: dict[str, tuple[list[RankResult], str]], load_before: float) -> None:
@@ -445,6 +464,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pairs", type=int, default=0, help="alternate torch-1f1b and lightning-pipe N times")
+    parser.add_argument("--breakdown", action="store_true", help="where lightning-pipe's step goes (monitor)")
     parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -462,6 +483,9 @@ def main() -> None:
         run_worker(args)
         return
     load_before = os.getloadavg()[0]
+    if args.pairs:
+        run_pairs(args, load_before)
+        return
     rows = {}
     with tempfile.TemporaryDirectory() as out:
         for config in args.only:
@@ -471,6 +495,32 @@ def main() -> None:
             print(f"running {CONFIGS[config]} ...", flush=True)
             rows[config] = launch(config, args, out)
     print_table(args, rows, load_before)
+
+
+def run_pairs(args: argparse.Namespace, load_before: float) -> None:
+    """torch's Schedule1F1B and lightning-pipe alternately, ``--pairs`` times: ratio per pair, median."""
+    ratios, breakdowns = [], []
+    with tempfile.TemporaryDirectory() as out:
+        for pair in range(args.pairs):
+            order = ["torch-1f1b", "lightning-pipe"] if pair % 2 == 0 else ["lightning-pipe", "torch-1f1b"]
+            throughput = {}
+            Path(out, str(pair)).mkdir()
+            for config in order:
+                results, error = launch(config, args, f"{out}/{pair}")
+                if error:
+                    raise SystemExit(f"{CONFIGS[config]} failed: {error}")
+                step_seconds = [max(times) for times in zip(*(r.step_seconds for r in results))]
+                throughput[config] = results[0].tokens_per_step / statistics.median(step_seconds)
+                breakdowns += [r.breakdown for r in results if r.breakdown and r.rank == 0]
+            ratios.append(throughput["lightning-pipe"] / throughput["torch-1f1b"])
+            print(f"pair {pair}: torch-1f1b {throughput['torch-1f1b']:,.0f} tokens/s, lightning-pipe "
+                  f"{throughput['lightning-pipe']:,.0f} tokens/s, ratio {ratios[-1]:.3f}", flush=True)
+    print(f"median ratio lightning-pipe / torch Schedule1F1B over {args.pairs} alternating pairs: "
+          f"{statistics.median(ratios):.3f}  (1-minute load before: {load_before:.2f})")
+    if breakdowns:
+        print("\nlightning-pipe, rank 0, median seconds per step (of the pairs' medians):")
+        for part in breakdowns[0]:
+            print(f"  {part:16s} {statistics.median(b[part] for b in breakdowns) * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
   this step's measured compute times (free communication); the difference to the measured one is
   communication, waiting and framework time between actions,
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
+* ``pipeline/time/{compute,wait,send,between_actions,outside_program}_s``: where the first rank's
+  step went (they sum to ``step_s``): its compute actions, blocked in receives, posting sends,
+  between actions (the executor's own work), and outside the program (batch split, loss and log
+  broadcast, gradient synchronisation, optimizer step, Lightning's hooks),
 * ``pipeline/rank{r}_peak_memory_bytes``: peak memory per rank (CUDA allocator peak, or the process's
   resident-set peak on CPU),
 * ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``,
@@ -47,6 +51,7 @@ from lightning_pipe.schedules import ActionCosts, ActionType, TimedAction, simul
 log = logging.getLogger(__name__)
 
 _COMPUTE = {ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT}
+_SENDS = {ActionType.SEND_F, ActionType.SEND_B}
 
 
 @dataclass
@@ -71,6 +76,7 @@ class StepSummary:
     step_s: float
     bubble_ratio: float
     simulated_bubble_ratio: float = 0.0
+    time_s: dict[str, float] = field(default_factory=dict)
     stage_compute_s: dict[int, float] = field(default_factory=dict)
     migrated_bytes: int = 0
     recomputed_blocks: int = 0
@@ -132,6 +138,24 @@ def measured_costs(events: list[TimedAction], program: Any) -> ActionCosts:
         backward_input=frozen(ActionType.BACKWARD_INPUT) if split else None,
         backward_weight=frozen(ActionType.BACKWARD_WEIGHT) if split else None,
     )
+
+
+def step_breakdown(records: list, step_s: float) -> dict[str, float]:
+    """Where one rank's step went, from its action records: compute, receive waits, sends, the
+    executor's time between actions, and everything outside the program (sums to ``step_s``)."""
+    if not records:
+        return {"outside_program": step_s}
+    compute = sum(r.end - r.start - r.wait for r in records if r.action.type in _COMPUTE)
+    wait = sum(r.wait for r in records)
+    send = sum(r.end - r.start for r in records if r.action.type in _SENDS)
+    span = max(r.end for r in records) - min(r.start for r in records)
+    return {
+        "compute": compute,
+        "wait": wait,
+        "send": send,
+        "between_actions": max(0.0, span - compute - wait - send),
+        "outside_program": max(0.0, step_s - span),
+    }
 
 
 def _stack_images(paths: list[str], target: str) -> None:
@@ -234,6 +258,7 @@ class PipelineMonitor(L.Callback):
         if trainer.global_rank != 0 or reports is None:
             return
         summary = self._summarize(strategy, reports, step, step_s, _tokens(batch) * strategy.layout.data_parallel_size)
+        summary.time_s = step_breakdown(outcome.records if outcome else [], step_s)
         self.history.append(summary)
         metrics = {
             "pipeline/tokens_per_s": summary.tokens_per_s,
@@ -247,6 +272,7 @@ class PipelineMonitor(L.Callback):
             "pipeline/offloaded_blocks": float(summary.offloaded_blocks),
         }
         metrics.update({f"pipeline/stage{s}_compute_s": t for s, t in summary.stage_compute_s.items()})
+        metrics.update({f"pipeline/time/{part}_s": t for part, t in summary.time_s.items()})
         metrics.update({f"pipeline/boundary{k}": float(b) for k, b in enumerate(summary.boundaries)})
         metrics.update({f"pipeline/rank{r.pipeline_rank}_peak_memory_bytes": float(r.peak_memory_bytes) for r in reports})
         for logger in trainer.loggers:
@@ -351,6 +377,9 @@ class PipelineMonitor(L.Callback):
         for s in stages:
             mean = sum(r.stage_compute_s.get(s, 0.0) for r in rows) / len(rows)
             table.add_row(f"stage {s} compute s/step", f"{mean:.4f}")
+        for part in rows[0].time_s:
+            mean = sum(r.time_s.get(part, 0.0) for r in rows) / len(rows)
+            table.add_row(f"rank 0 {part.replace('_', ' ')} s/step", f"{mean:.4f}")
         if any(r.recomputed_blocks or r.offloaded_blocks for r in rows):
             table.add_row("recomputed blocks/step (mean)", f"{sum(r.recomputed_blocks for r in rows) / len(rows):.1f}")
             table.add_row("offloaded blocks/step (mean)", f"{sum(r.offloaded_blocks for r in rows) / len(rows):.1f}")

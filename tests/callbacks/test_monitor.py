@@ -37,6 +37,11 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
     simulated = logged(tmp_path, "pipeline/simulated_bubble_ratio")
     # communication and waiting only add idle time to what the schedule itself leaves
     assert len(simulated) == 4 and all(0.0 < s <= b + 1e-9 for s, b in zip(simulated, bubbles))
+    parts = {p: logged(tmp_path, f"pipeline/time/{p}_s") for p in ("compute", "wait", "send", "between_actions", "outside_program")}
+    step_s = logged(tmp_path, "pipeline/step_s")
+    for k in range(4):  # the parts of the first rank's step add up to the step
+        assert sum(values[k] for values in parts.values()) == pytest.approx(step_s[k], rel=1e-6)
+    assert all(c > 0 for c in parts["compute"]) and all(o > 0 for o in parts["outside_program"])
     assert all(t > 0 for t in logged(tmp_path, "pipeline/stage0_compute_s") + logged(tmp_path, "pipeline/stage1_compute_s"))
     assert all(t > 0 for t in logged(tmp_path, "pipeline/tokens_per_s"))
     assert logged(tmp_path, "pipeline/rank1_peak_memory_bytes")[0] > 0
