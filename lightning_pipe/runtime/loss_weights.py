@@ -209,7 +209,8 @@ class DeferredNormalization:
 
     def end(self, normalizer: float) -> None:
         """``grad = earlier + grad / normalizer`` for every parameter."""
-        scale = 1.0 / normalizer if normalizer else float("nan")
+        # no counted target in the whole batch: one device's gradient is zero (torch's NLL backward)
+        scale = 1.0 / normalizer if normalizer else 0.0
         with torch.no_grad():
             for p, earlier in zip(self.parameters, self.earlier, strict=True):
                 if p.grad is not None:

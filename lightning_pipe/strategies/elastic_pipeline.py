@@ -164,6 +164,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._batch_dim = batch_dim
         self.loss_weights = loss_weights
         self._allow_sample_mixing = allow_sample_mixing
+        self._warned_sample_mixing = False
         self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
         self._short_programs: dict[int, Program] = {}
 
@@ -301,6 +302,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 f"in `{type(module).__name__}`: the pipeline runs backward inside the step. Use automatic optimization."
             )
         self._check_time_major(module)
+        self._check_sample_mixing(module, self.num_microbatches if self._num_microbatches else 2)
         if is_overridden("configure_model", module):
             return
         stack = find_blocks(module, self._blocks)
@@ -346,8 +348,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.costs.setup(self)
         self._tied = self._tied_parameters()
         self._check_time_major(module)  # blocks built in `configure_model` exist now
-        self._sample_mixing = find_sample_mixing_modules(module)
-        self._warned_sample_mixing = False
+        self._sample_mixing = bool(find_sample_mixing_modules(module))
         self._short_programs = {}
 
     def _install(self, plan: PipelinePlan) -> None:
@@ -490,21 +491,22 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return program if train else forward_only(program)
         return self.program if train else self.eval_program
 
-    def _check_sample_mixing(self, plan: Any) -> None:
-        """Refuse (or warn once about) batch normalization in training mode with several microbatches."""
-        training = [(name, m) for name, m in self._sample_mixing if m.training]
-        if not training or plan.num_microbatches == 1:
+    def _check_sample_mixing(self, module: Any, num_microbatches: int, sizes: str = "") -> None:
+        """Refuse, or warn once about, batch normalization in training mode with several microbatches.
+
+        Called before processes start (``validate_module``) and at every training step (a layer may
+        be switched to training mode later)."""
+        training = [(name, m) for name, m in find_sample_mixing_modules(module) if m.training]
+        if not training or num_microbatches == 1:
             return
         what = (
-            f"{describe_modules(training)} normalize over the samples of each microbatch ({plan.sizes[0]} of "
-            f"{plan.batch_size} here) instead of the batch's, and update their running statistics once "
-            "per microbatch: training differs from one device"
+            f"{describe_modules(training)} normalize over the samples of each microbatch{sizes} instead of the "
+            "batch's, and update their running statistics once per microbatch: training differs from one device"
         )
         if not self._allow_sample_mixing:
             raise ValueError(
-                f"`{type(self.lightning_module).__name__}`: {what}. Use `num_microbatches=1` (exact), a per-sample "
-                f"normalization (LayerNorm, GroupNorm), or `{type(self).__name__}(allow_sample_mixing=True)` to "
-                "accept the difference."
+                f"`{type(module).__name__}`: {what}. Use `num_microbatches=1` (exact), a per-sample normalization "
+                f"(LayerNorm, GroupNorm), or `{type(self).__name__}(allow_sample_mixing=True)` to accept the difference."
             )
         if not self._warned_sample_mixing:
             self._warned_sample_mixing = True
@@ -518,7 +520,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         steps = [(mb, *rest) for mb in microbatches]
         deferred = None
         if train:
-            self._check_sample_mixing(plan)
+            if self._sample_mixing:
+                sizes = f" ({plan.sizes[0]} of {plan.batch_size} samples here)"
+                self._check_sample_mixing(self.lightning_module, plan.num_microbatches, sizes)
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             block_wrapper = self.memory.before_step(batch, rest)
             # 16-mixed with optimizer offload: each microbatch's loss carries the scaler's loss scale

@@ -201,3 +201,37 @@ def padded_batches(num: int, batch_size: int, length: int, counted: list, vocab:
         weight = torch.rand(batch_size, generator=generator, dtype=torch.float64) + 0.5
         batches.append({"input_ids": ids, "labels": labels, "weight": weight})
     return batches
+
+
+class TimeMajorClassifier(L.LightningModule):
+    """torch's ``nn.TransformerEncoder`` with ``batch_first=False``: inputs ``(T, B, d)``, targets ``(B,)``."""
+
+    def __init__(self, dim: int = 8, layers: int = 4, classes: int = 3, lr: float = 1e-2, norm: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layer = nn.TransformerEncoderLayer(dim, 2, dim_feedforward=16, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.bn = nn.BatchNorm1d(dim) if norm else nn.Identity()
+        self.head = nn.Linear(dim, classes)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch  # [T, B, d], [B]
+        h = self.encoder(x).mean(0)  # [B, d]
+        loss = F.cross_entropy(self.head(self.bn(h)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def time_major_batches(num: int, batch_size: int, length: int, dim: int = 8, classes: int = 3, seed: int = 0) -> list:
+    """``(x [T, B, d], y [B])`` batches (float64)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(length, batch_size, dim, generator=generator, dtype=torch.float64),
+            torch.randint(0, classes, (batch_size,), generator=generator),
+        )
+        for _ in range(num)
+    ]
