@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.model.metrics import MetricObject, MetricValue
 from lightning_pipe.model.stage_runner import LogCall
 
 _MEAN = ("mean", torch.mean)
@@ -51,6 +52,12 @@ def reduce_log_calls(per_microbatch: list[list[LogCall]], weights: list[list[flo
     reduced = []
     for name, entries in names.items():
         kwargs = dict(entries[0][1].kwargs)
+        markers = {call.value for _, call in entries if isinstance(call.value, (MetricObject, MetricValue))}
+        if markers:  # a metric (or its forward result): one batch-level value, replayed as is
+            if len(markers) != 1 or any(not isinstance(c.value, (MetricObject, MetricValue)) for _, c in entries):
+                raise ValueError(f"`self.log({name!r}, ...)` logged different metrics or values in one step.")
+            reduced.append(LogCall(name, markers.pop(), kwargs))
+            continue
         values = torch.stack([_as_tensor(name, call.value) for _, call in entries])
         fx = kwargs.get("reduce_fx", "mean")
         if fx in _MEAN:

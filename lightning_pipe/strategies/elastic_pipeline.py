@@ -38,6 +38,7 @@ from lightning_pipe.model import (
 )
 from lightning_pipe.model.batch_checks import describe_modules, find_sample_mixing_modules, find_time_major_modules
 from lightning_pipe.model.log_calls import reduce_log_calls
+from lightning_pipe.model.metrics import MetricStates
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
 from lightning_pipe.planning.boundaries import check_boundaries
@@ -349,6 +350,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._tied = self._tied_parameters()
         self._check_time_major(module)  # blocks built in `configure_model` exist now
         self._sample_mixing = bool(find_sample_mixing_modules(module))
+        self.metric_states = MetricStates(module, self.groups.data_parallel)
         self._short_programs = {}
 
     def _install(self, plan: PipelinePlan) -> None:
@@ -545,10 +547,19 @@ class ElasticPipelineStrategy(ParallelStrategy):
         else:
             weights = list(plan.weights)
             work = StepWork(step_name, steps, count_losses=True)
+        if self.metric_states and self._runs_last_stage():
+            self.metric_states.begin()
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
             outcome = self.executor.run(program, self.spans, work)
         self.last_outcome = outcome
         return self._share_outcome(outcome, plan, weights, train, deferred)
+
+    def _last_stage_rank(self) -> int:
+        """Global rank of this replica's last stage."""
+        return self.layout.pipeline_ranks()[self.program.rank_of(self.program.num_stages - 1)]
+
+    def _runs_last_stage(self) -> bool:
+        return self.global_rank == self._last_stage_rank()
 
     def _step_weights(self, outcome: Any, plan: Any, weights: list[float], deferred: Any) -> tuple[list[float], float]:
         """On the last stage: each microbatch's share of the loss, and the gradient's normalizer."""
@@ -569,35 +580,40 @@ class ElasticPipelineStrategy(ParallelStrategy):
         An error found on the last stage (a loss that cannot be weighted exactly) travels with the
         payload, so every rank raises it, before any optimizer step.
         """
-        last_rank = self.layout.pipeline_ranks()[self.program.rank_of(self.program.num_stages - 1)]
+        last_rank = self._last_stage_rank()
         payload = None
         if self.global_rank == last_rank:
+            metric_updates = self.metric_states.end(plan.num_microbatches) if self.metric_states else {}
             try:
                 normalizer = 1.0
                 if train:
                     weights, normalizer = self._step_weights(outcome, plan, weights, deferred)
                 mbs = sorted(outcome.logs)
-                logs = reduce_log_calls(
-                    [outcome.logs[mb] for mb in mbs],
-                    [_log_weights(outcome, mb, weights[mb], plan.weights[mb]) for mb in mbs],
-                )
+                log_weights = [_log_weights(outcome, mb, weights[mb], plan.weights[mb]) for mb in mbs]
+                calls = [[_marked(call, self.metric_states) for call in outcome.logs[mb]] for mb in mbs]
+                logs = reduce_log_calls(calls, log_weights)
                 loss = None
                 if train:
                     loss = sum(
                         weights[mb] * outcome.losses[mb].double() for mb in sorted(outcome.losses) if weights[mb] != 0
                     )
-                payload = (None if loss is None else loss.cpu(), logs, normalizer, None)
-            except ValueError as error:
-                payload = (None, [], 1.0, error)
+                payload = (None if loss is None else loss.cpu(), logs, normalizer, metric_updates, None)
+            except (ValueError, TypeError) as error:
+                payload = (None, [], 1.0, {}, error)
+            finally:
+                self.metric_states.forget_outputs()
         if self.pipeline_parallel_size > 1:
             payload = collectives.broadcast_object(payload, last_rank, self.groups.pipeline)
-        loss, logs, normalizer, error = payload
+        loss, logs, normalizer, metric_updates, error = payload
         if error is not None:
             raise error
         if deferred is not None:
             deferred.end(normalizer)
+        if self.global_rank != last_rank and metric_updates:
+            self.metric_states.apply(metric_updates, self.root_device)
         for call in logs:
-            self.lightning_module.log(call.name, call.value.to(self.root_device), **call.kwargs)
+            value = self.metric_states.resolve(call.value, self.root_device)
+            self.lightning_module.log(call.name, value.to(self.root_device) if isinstance(value, Tensor) else value, **call.kwargs)
         dtype = torch.get_default_dtype() if loss is None else next(
             (p.dtype for p in self.lightning_module.parameters() if p.is_floating_point()), torch.float32
         )
@@ -762,6 +778,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "elastic_pipe", cls, description="Pipeline parallelism for unchanged LightningModules (lightning-pipe)"
         )
+
+
+def _marked(call: Any, metric_states: MetricStates) -> Any:
+    """The call with a torchmetrics value replaced by its marker (see ``model/metrics.py``)."""
+    value = metric_states.mark(call.value)
+    return call if value is call.value else dataclasses.replace(call, value=value)
 
 
 def _log_weights(outcome: Any, mb: int, loss_weight: float, sample_weight: float) -> list[float]:
