@@ -270,6 +270,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             compat.set_skip_backward(trainer, True)
+            compat.fix_unbounded_epoch_description(trainer)
         self.setup_precision_plugin()
         install_global_norm_clipping(self.precision_plugin, self._global_gradient_norm)
         if self.memory.optimizer_offload:  # 16-mixed: the stage optimizers scale, unscale and agree
