@@ -97,3 +97,21 @@ def test_deferred_normalization_keeps_earlier_gradients():
     p.grad = torch.tensor([4.0, 8.0])
     deferred.end(4.0)
     assert torch.equal(p.grad, torch.tensor([2.0, 3.0]))
+
+
+def test_transformers_causal_lm_loss_is_traced_to_its_counted_labels():
+    """transformers' `labels=` loss (ForCausalLMLoss: shift, then F.cross_entropy with -100) is a
+    counted mean; its count is the shifted labels that are not -100."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 32, (2, 6))
+    labels = ids.clone()
+    labels[0, 3:] = -100
+    record = _record(lambda: (model(input_ids=ids, labels=labels).loss, []))
+    assert record.returned is not None and record.returned.kind == MEAN
+    assert record.count_of(record.returned).item() == (labels[:, 1:] != -100).sum().item()
