@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pipe.model.loss_counting import MEAN, SUM, LossCounter
-from lightning_pipe.runtime.loss_weights import DeferredNormalization, decide, raw_weight
+from lightning_pipe.runtime.loss_weights import DeferredNormalization, decide, raw_weight, upfront_weights
 
 
 def _record(step):
@@ -115,3 +115,23 @@ def test_transformers_causal_lm_loss_is_traced_to_its_counted_labels():
     record = _record(lambda: (model(input_ids=ids, labels=labels).loss, []))
     assert record.returned is not None and record.returned.kind == MEAN
     assert record.count_of(record.returned).item() == (labels[:, 1:] != -100).sum().item()
+
+
+def test_a_factor_that_changes_between_microbatches_is_refused():
+    records = [_record(lambda c=c: (F.cross_entropy(*_logits_and_labels(c)) / c, [])) for c in (2, 4)]
+    with pytest.raises(ValueError, match=r"times a factor that differs between microbatches \(\[0.5, 0.25\]\)"):
+        decide(records, [3, 3], [raw_weight(r, 3) for r in records], deferred=True)
+
+
+def test_a_loss_that_is_a_mean_in_some_microbatches_only_is_refused():
+    means = _record(lambda: (F.cross_entropy(*_logits_and_labels(2)), []))
+    other = _record(lambda: (torch.ones(()), []))
+    with pytest.raises(ValueError, match=r"in some microbatches but not in others \(microbatches \[0\] of 2\)"):
+        decide([means, other], [3, 3], [2.0, 3.0], deferred=True)
+
+
+def test_user_weights_are_normalised_and_checked():
+    assert upfront_weights(lambda mb: mb, [1.0, 3.0], [2, 2]) == [0.25, 0.75]
+    assert upfront_weights("sum", [None, None], [2, 2]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"`loss_weights` returned \[-1.0, 3.0\]"):
+        upfront_weights(lambda mb: mb, [-1.0, 3.0], [2, 2])

@@ -40,6 +40,7 @@ def test_unknown_schedule_lists_the_valid_names():
         ({"pipeline_parallel_size": 0}, "`pipeline_parallel_size` must be at least 1, got 0"),
         ({"num_microbatches": 0}, "`num_microbatches` must be at least 1, got 0"),
         ({"partition": "even"}, r"`partition='even'`: use 'uniform', 'balanced'.* or a list of blocks per stage"),
+        ({"loss_weights": "tokens"}, r"`loss_weights='tokens'`: use 'auto', 'samples', 'sum', or a callable"),
     ],
 )
 def test_bad_settings(kwargs, message):

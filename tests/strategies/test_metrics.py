@@ -131,3 +131,13 @@ def test_metric_objects_match_one_device(tmp_path, dp):
         assert len(pipelined[name]) == len(reference[name]) > 0, name
         torch.testing.assert_close(pipelined[name], reference[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
+
+
+def test_a_metric_that_is_not_an_attribute_of_the_module_is_named():
+    from lightning_pipe.model.metrics import MetricObject, MetricStates
+
+    module = MetricModel()
+    states = MetricStates(module)
+    assert states.mark(module.val_acc) == MetricObject("val_acc")
+    with pytest.raises(ValueError, match=r"<MulticlassAccuracy>\)`: the metric is not a submodule"):
+        states.mark(MulticlassAccuracy(CLASSES))
