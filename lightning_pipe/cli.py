@@ -19,11 +19,14 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_pipe  # noqa: F401  (registers "elastic_pipe")
 
 
-def main(args: Any = None) -> LightningCLI:
-    """Run the CLI (``args``: argument list or dict; None reads ``sys.argv``).
+def build_cli(args: Any = None) -> LightningCLI:
+    """Parse ``args`` (argument list or dict; None reads ``sys.argv``) and run the subcommand.
 
     The working directory goes on the import path, as with ``python -m``, so that ``class_path``
     entries name the project's own modules (``examples.gpt.model.GPT``) from the installed command too.
+
+    Returns:
+        The ``LightningCLI`` (its ``trainer``, ``model``, ``datamodule``), for use from Python.
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -36,5 +39,15 @@ def main(args: Any = None) -> LightningCLI:
     )
 
 
+def main(args: Any = None) -> int:
+    """The ``lightning-pipe`` command: run the CLI and return the exit status (0 on success).
+
+    The console script passes the return value to ``sys.exit``, so it must be a status, not the
+    CLI object (``sys.exit(object)`` prints the object and exits with 1). Failures raise.
+    """
+    build_cli(args)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

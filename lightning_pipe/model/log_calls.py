@@ -2,8 +2,9 @@
 
 The user's step logs once per microbatch, on the last stage only. Lightning must see one call per
 name per batch, with the value a single-device run over the whole batch would log: microbatch
-values are combined by the call's ``reduce_fx`` ("mean" weighted by each microbatch's share of the
-batch, "sum", "max", "min"), then replayed on every rank.
+values are combined by the call's ``reduce_fx`` ("mean" weighted per call: by the microbatch's share
+of the batch's loss for the returned loss, by counted targets for other token-averaged losses, by
+samples otherwise; "sum", "max", "min"), then replayed on every rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.model.metrics import MetricObject, MetricValue
 from lightning_pipe.model.stage_runner import LogCall
 
 _MEAN = ("mean", torch.mean)
@@ -32,27 +34,37 @@ def _as_tensor(name: str, value: Any) -> Tensor:
     )
 
 
-def reduce_log_calls(per_microbatch: list[list[LogCall]], weights: list[float]) -> list[LogCall]:
+def reduce_log_calls(per_microbatch: list[list[LogCall]], weights: list[list[float]]) -> list[LogCall]:
     """One call per logged name, combining the microbatches that logged it.
 
     Args:
         per_microbatch: the calls recorded for each microbatch, in microbatch order.
-        weights: each microbatch's share of the batch (samples), summing to 1.
+        weights: per microbatch, the weight of each of its calls in a "mean" (normalised over the
+            microbatches that logged the name; a zero weight leaves a microbatch out).
 
     Returns:
         Calls with CPU float64 tensor values, ready to broadcast and replay.
     """
     names: dict[str, list[tuple[float, LogCall]]] = {}
-    for weight, calls in zip(weights, per_microbatch, strict=True):
-        for call in calls:
+    for call_weights, calls in zip(weights, per_microbatch, strict=True):
+        for weight, call in zip(call_weights, calls, strict=True):
             names.setdefault(call.name, []).append((weight, call))
     reduced = []
     for name, entries in names.items():
         kwargs = dict(entries[0][1].kwargs)
+        markers = {call.value for _, call in entries if isinstance(call.value, (MetricObject, MetricValue))}
+        if markers:  # a metric (or its forward result): one batch-level value, replayed as is
+            if len(markers) != 1 or any(not isinstance(c.value, (MetricObject, MetricValue)) for _, c in entries):
+                raise ValueError(f"`self.log({name!r}, ...)` logged different metrics or values in one step.")
+            reduced.append(LogCall(name, markers.pop(), kwargs))
+            continue
         values = torch.stack([_as_tensor(name, call.value) for _, call in entries])
         fx = kwargs.get("reduce_fx", "mean")
         if fx in _MEAN:
             w = torch.tensor([weight for weight, _ in entries], dtype=torch.float64)
+            kept = w != 0  # a microbatch without counted targets logs NaN and contributes nothing
+            if kept.any():
+                values, w = values[kept], w[kept]
             value = (values * (w / w.sum()).view(-1, *([1] * (values.dim() - 1)))).sum(0)
         elif fx in _SUM:
             value = values.sum(0)

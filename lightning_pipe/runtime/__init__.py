@@ -2,18 +2,24 @@
 
 from lightning_pipe.runtime.executor import ActionRecord, PipelineExecutor, StepOutcome, StepWork
 from lightning_pipe.runtime.groups import ProcessGroups, RankLayout, create_process_groups
-from lightning_pipe.runtime.microbatch import split_batch
+from lightning_pipe.runtime.loss_weights import LossWeights
+from lightning_pipe.runtime.microbatch import BatchDim, MicrobatchPlan, SplitBatch, plan_microbatches, split_batch
 from lightning_pipe.runtime.p2p import PointToPoint
 
 # Public: the executor and the process-group layout the strategy builds on.
 __all__ = [
     "ActionRecord",
+    "BatchDim",
+    "LossWeights",
+    "MicrobatchPlan",
     "PipelineExecutor",
     "PointToPoint",
     "ProcessGroups",
     "RankLayout",
+    "SplitBatch",
     "StepOutcome",
     "StepWork",
     "create_process_groups",
+    "plan_microbatches",
     "split_batch",
 ]

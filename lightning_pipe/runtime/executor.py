@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from lightning_pipe.model.loss_counting import LossCounter, LossRecord
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PointToPoint
@@ -40,12 +42,18 @@ class StepWork:
             the batch divided by the accumulation count); None for forward-only steps.
         block_wrapper: given (stage, microbatch), the wrapper for that stage's block calls, or None
             (how memory plans apply recompute or offload per stage and microbatch).
+        count_losses: trace the last stage's loss calls (``model/loss_counting.py``) into
+            ``StepOutcome.loss_records``.
+        loss_weight: given (microbatch, its loss record), a further factor for its loss, decided
+            when its forward has run (``runtime/loss_weights.raw_weight``); None: none.
     """
 
     step_name: str
     microbatches: list[tuple]
     loss_scales: list[float] | None = None
     block_wrapper: Callable[[int, int], BlockWrapper | None] | None = None
+    count_losses: bool = False
+    loss_weight: Callable[[int, LossRecord], Any] | None = None
 
 
 @dataclass
@@ -71,18 +79,23 @@ class StepOutcome:
         step_outputs: the user's step output per microbatch (last stage only).
         logs: recorded ``self.log`` calls per microbatch (last stage only).
         records: timing of every action this rank ran.
+        loss_records: what each microbatch's loss was computed from (last stage, with ``count_losses``).
+        loss_weights: the factor ``StepWork.loss_weight`` gave each microbatch (last stage only).
     """
 
     losses: dict[int, Tensor] = field(default_factory=dict)
     step_outputs: dict[int, Any] = field(default_factory=dict)
     logs: dict[int, list[LogCall]] = field(default_factory=dict)
     records: list[ActionRecord] = field(default_factory=list)
+    loss_records: dict[int, LossRecord] = field(default_factory=dict)
+    loss_weights: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
 class _Slot:
     result: StageResult
     loss: Tensor | None = None
+    weight: Any = 1.0
     input_grads: list[Tensor] | None = None
     output_grads: list[Tensor | None] | None = None
     weight_pass: WeightPass | None = None
@@ -163,13 +176,15 @@ class PipelineExecutor:
     def _forward(self, stage: int, mb: int, outcome: StepOutcome) -> None:
         span = self._spans[stage]
         wrapper = self._work.block_wrapper(stage, mb) if self._work.block_wrapper is not None else None
-        result = self.runner.run(
-            self._work.step_name,
-            self._work.microbatches[mb],
-            span,
-            receive=lambda metas: self._receive(stage, mb, metas),
-            wrap_block=wrapper,
-        )
+        counter = LossCounter() if self._work.count_losses and span.is_last else None
+        with counter if counter is not None else nullcontext():
+            result = self.runner.run(
+                self._work.step_name,
+                self._work.microbatches[mb],
+                span,
+                receive=lambda metas: self._receive(stage, mb, metas),
+                wrap_block=wrapper,
+            )
         slot = _Slot(result)
         self._slots[(stage, mb)] = slot
         if span.is_last:
@@ -178,6 +193,13 @@ class PipelineExecutor:
             if self._work.loss_scales is not None:
                 slot.loss = _extract_loss(result.step_output, self._work.step_name)
                 outcome.losses[mb] = slot.loss.detach()
+            if counter is not None:
+                returned = slot.loss if slot.loss is not None else _maybe_loss(result.step_output)
+                record = counter.record(returned, [call.value for call in result.logs])
+                outcome.loss_records[mb] = record
+                if self._work.loss_weight is not None:
+                    slot.weight = self._work.loss_weight(mb, record)
+                    outcome.loss_weights[mb] = slot.weight
         elif self._program.rank_of(stage + 1) == self.pipeline_rank:
             self._local_activations[(stage + 1, mb)] = result.outputs
 
@@ -205,7 +227,7 @@ class PipelineExecutor:
         """The stage's outputs to differentiate and the gradients flowing into them."""
         if self._spans[stage].is_last:
             assert slot.loss is not None and self._work.loss_scales is not None
-            return [slot.loss * self._work.loss_scales[mb]], [None]
+            return [slot.loss * self._work.loss_scales[mb] * slot.weight], [None]
         floats = [t for t in slot.result.outputs if is_float(t)]
         if slot.output_grads is None:
             grads = self._local_gradients.pop((stage, mb), None)
@@ -260,6 +282,10 @@ def _release(slot: _Slot) -> None:
     slot.loss = None
     slot.output_grads = None
     slot.weight_pass = None
+
+
+def _maybe_loss(step_output: Any) -> Any:
+    return step_output.get("loss") if isinstance(step_output, Mapping) else step_output
 
 
 def _extract_loss(step_output: Any, step_name: str) -> Tensor:

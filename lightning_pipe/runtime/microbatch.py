@@ -1,49 +1,287 @@
-"""Split a batch into microbatches along its first dimension."""
+"""The microbatch plan: how one batch is cut into microbatches, decided once per step.
+
+:func:`plan_microbatches` looks at a batch once and returns a :class:`MicrobatchPlan`, plain data
+that every rank computes identically from the same batch: which samples form each microbatch, each
+microbatch's share of the batch's loss, the length each runs at, and where each item of the batch
+is cut. :meth:`MicrobatchPlan.split` cuts the batch by that plan. The step, the memory planner, the
+cost probes and the profilers all read one plan (``ElasticPipelineStrategy.split_batch``); none
+cuts the batch its own way.
+
+The split is checked, not assumed:
+
+* every tensor is cut along its batch dimension (``batch_dim``: dimension 0 unless told otherwise,
+  per item or by a hook), and all of them must agree on the batch size, or the batch is refused
+  with every item's shape;
+* lists of per-sample values (strings, numbers) of the batch's length are cut with the tensors;
+  other non-tensor values (a scalar, a list of another length) are given whole to every microbatch;
+* objects that hold tensors but are neither tensors, mappings, sequences nor dataclasses are
+  refused: they cannot be cut unambiguously.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+BatchDim = Union[int, Mapping[Any, Union[int, None]], Callable[[tuple, Any], Union[int, None]]]
+"""Where a batch's tensors keep their samples: one dimension for all, a mapping from an item's key
+(top-level key or index, or its whole path as a tuple) to its dimension, or a hook
+``batch_dim(path, value) -> int | None``. ``None`` gives that item whole to every microbatch."""
+
+WHOLE = "whole"
+TENSOR = "tensor"
+SEQUENCE = "sequence"
+_SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 
 
-def batch_size_of(batch: Any) -> int:
-    """Size of the first dimension of the batch's first tensor.
+@dataclass(frozen=True)
+class BatchItem:
+    """One leaf of a batch and how it is cut.
+
+    Attributes:
+        path: keys from the batch to the leaf (``(0,)``, ``("input_ids",)``, ``("meta", "ids")``).
+        kind: ``"tensor"`` (cut along ``dim``), ``"sequence"`` (a per-sample list, cut like the
+            samples), or ``"whole"`` (given whole to every microbatch).
+        dim: the batch dimension of a tensor item.
+    """
+
+    path: tuple
+    kind: str
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    """How one batch is cut into microbatches (plain data, identical on every rank).
+
+    Attributes:
+        batch_size: samples in the batch.
+        sample_ranges: ``(start, end)`` of each microbatch's samples, in order.
+        weights: each microbatch's share of the batch's loss, summing to 1: its share of samples
+            (the loss weighting of the step may replace it, see ``runtime/loss_weights.py``).
+        lengths: the length each microbatch runs at; None: as the batch gives it (no trimming).
+        items: how every leaf of the batch is cut.
+    """
+
+    batch_size: int
+    sample_ranges: tuple[tuple[int, int], ...]
+    weights: tuple[float, ...]
+    lengths: tuple[int | None, ...]
+    items: tuple[BatchItem, ...]
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches in this plan (fewer than asked for when the batch has fewer samples)."""
+        return len(self.sample_ranges)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Samples of each microbatch."""
+        return [end - start for start, end in self.sample_ranges]
+
+    def split(self, batch: Any) -> list[Any]:
+        """Cut ``batch`` (the batch this plan was made for) into its microbatches."""
+        cut = {item.path: item for item in self.items}
+        return [_rebuild(batch, (), cut, start, end) for start, end in self.sample_ranges]
+
+
+def plan_microbatches(batch: Any, num_microbatches: int, batch_dim: BatchDim = 0) -> MicrobatchPlan:
+    """Plan the microbatches of ``batch``: ``num_microbatches`` of them, or one per sample if fewer.
+
+    Samples go to microbatches in order; the first ``B % num_microbatches`` take one more
+    (``torch.tensor_split``'s rule).
+
+    Args:
+        batch: what the dataloader yields (tensors in tuples, lists, mappings, dataclasses).
+        num_microbatches: microbatches wanted.
+        batch_dim: where the tensors keep their samples (see :data:`BatchDim`).
 
     Raises:
-        ValueError: the batch holds no tensor.
+        ValueError: the tensors disagree on the batch size, an item has no such dimension, no
+            tensor has a batch dimension, or an object holding tensors cannot be cut.
     """
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
+    if num_microbatches < 1:
+        raise ValueError(f"`num_microbatches` must be at least 1, got {num_microbatches}.")
+    leaves = list(_leaves(batch, ()))
+    items, sizes = [], {}
+    for path, value in leaves:
+        if isinstance(value, Tensor):
+            dim = _batch_dim_of(batch_dim, path, value)
+            if dim is None or (value.dim() == 0 and not _explicit(batch_dim, path)):
+                items.append(BatchItem(path, WHOLE))
+                continue
+            if not -value.dim() <= dim < value.dim():
+                raise ValueError(
+                    f"{describe_path(path)} has shape {tuple(value.shape)}, without a batch dimension {dim}: give its "
+                    "dimension in `batch_dim` (a mapping per item, or a hook returning None to give it whole)."
+                )
+            dim = dim % value.dim()
+            items.append(BatchItem(path, TENSOR, dim))
+            sizes[path] = (value.shape[dim], tuple(value.shape), dim)
+        elif _holds_tensors(value):
+            raise ValueError(
+                f"{describe_path(path)} is a {type(value).__name__} holding tensors, which lightning-pipe cannot cut into "
+                "microbatches unambiguously: return tensors, or tuples/lists/dicts/dataclasses of them, from the "
+                "dataloader (or `transfer_batch_to_device`)."
+            )
+        else:
+            items.append(BatchItem(path, WHOLE))
+    if not sizes:
+        raise ValueError(
+            f"Cannot split a batch of type {type(batch).__name__} into microbatches: it holds no tensor with a batch "
+            "dimension. Return tensors (or lists/tuples/dicts of them) from the dataloader."
+        )
+    batch_size = _agreed_size(sizes, batch_dim)
+    for index, item in enumerate(items):
+        value = dict(leaves)[item.path] if item.kind == WHOLE else None
+        if item.kind == WHOLE and _is_sequence_leaf(value) and len(value) == batch_size:
+            items[index] = BatchItem(item.path, SEQUENCE)
+    ranges = sample_ranges(batch_size, num_microbatches)
+    weights = tuple((end - start) / batch_size for start, end in ranges)
+    return MicrobatchPlan(batch_size, ranges, weights, (None,) * len(ranges), tuple(items))
+
+
+def sample_ranges(batch_size: int, num_microbatches: int) -> tuple[tuple[int, int], ...]:
+    """``(start, end)`` of each microbatch's samples: ``min(num_microbatches, batch_size)`` of them,
+    in order, the first ``batch_size % count`` one sample larger (``torch.tensor_split``'s rule)."""
+    count = min(num_microbatches, batch_size)
+    bounds = [0]
+    for i in range(count):
+        bounds.append(bounds[-1] + batch_size // count + (1 if i < batch_size % count else 0))
+    return tuple((bounds[i], bounds[i + 1]) for i in range(count))
+
+
+def batch_size_of(batch: Any, batch_dim: BatchDim = 0) -> int:
+    """Samples in ``batch`` (checked as :func:`plan_microbatches` checks them)."""
+    return plan_microbatches(batch, 1, batch_dim).batch_size
+
+
+def split_batch(batch: Any, num_microbatches: int, batch_dim: BatchDim = 0) -> list[Any]:
+    """Plan and cut in one call (for tools outside a training step; the step reuses its plan)."""
+    return plan_microbatches(batch, num_microbatches, batch_dim).split(batch)
+
+
+def describe_path(path: tuple) -> str:
+    """``batch[0]``, ``batch['input_ids']``, ``batch.field``: how messages name an item."""
+    text = "batch"
+    for key in path:
+        text += f".{key[1:]}" if isinstance(key, str) and key.startswith(".") else f"[{key!r}]"
+    return text
+
+
+# --- walking a batch ---------------------------------------------------------------------------
+
+
+def _is_sequence_leaf(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, _SCALARS) for v in value)
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def _leaves(value: Any, path: tuple):
+    """``(path, leaf)`` pairs: tensors, per-sample lists of plain values, and everything else."""
+    if isinstance(value, Tensor) or isinstance(value, _SCALARS) or _is_sequence_leaf(value):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _leaves(item, path + (key,))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _leaves(item, path + (index,))
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _leaves(getattr(value, f.name), path + ("." + f.name,))
+    else:
+        yield path, value
+
+
+def _holds_tensors(value: Any) -> bool:
+    attributes = getattr(value, "__dict__", None)
+    return isinstance(attributes, dict) and any(isinstance(v, Tensor) for v in attributes.values())
+
+
+def _rebuild(value: Any, path: tuple, cut: dict[tuple, BatchItem], start: int, end: int) -> Any:
+    item = cut.get(path)
+    if item is not None:
+        if item.kind == TENSOR:
+            return value.narrow(item.dim, start, end - start)
+        if item.kind == SEQUENCE:
+            return value[start:end]
+        return value
+    if isinstance(value, Mapping):
+        parts = {key: _rebuild(v, path + (key,), cut, start, end) for key, v in value.items()}
+        try:
+            return type(value)(parts)
+        except TypeError:  # a mapping type without a dict constructor
+            return parts
+    if _is_namedtuple(value):
+        return type(value)(*(_rebuild(v, path + (i,), cut, start, end) for i, v in enumerate(value)))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(v, path + (i,), cut, start, end) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: _rebuild(getattr(value, f.name), path + ("." + f.name,), cut, start, end)
+            for f in dataclasses.fields(value) if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+# --- batch dimensions --------------------------------------------------------------------------
+
+
+def _explicit(batch_dim: BatchDim, path: tuple) -> bool:
+    if isinstance(batch_dim, Mapping):
+        return path in batch_dim or (len(path) > 0 and path[0] in batch_dim)
+    return callable(batch_dim)
+
+
+def _batch_dim_of(batch_dim: BatchDim, path: tuple, value: Tensor) -> int | None:
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, (int, Mapping)) and not callable(batch_dim):
+        raise TypeError(f"`batch_dim` must be an int, a mapping or a callable, got {type(batch_dim).__name__}.")
+    if isinstance(batch_dim, int):
+        return batch_dim
+    if isinstance(batch_dim, Mapping):
+        if path in batch_dim:
+            return batch_dim[path]
+        if path and path[0] in batch_dim:
+            return batch_dim[path[0]]
+        return 0
+    return batch_dim(path, value)
+
+
+def _agreed_size(sizes: dict[tuple, tuple[int, tuple, int]], batch_dim: BatchDim) -> int:
+    distinct = {size for size, _, _ in sizes.values()}
+    if len(distinct) == 1:
+        return distinct.pop()
+    listing = ", ".join(
+        f"{describe_path(path)} {shape} -> {size} (dim {dim})" for path, (size, shape, dim) in sizes.items()
+    )
+    setting = f"`batch_dim={batch_dim!r}`" if not callable(batch_dim) else "the `batch_dim` hook"
     raise ValueError(
-        f"Cannot split a batch of type {type(batch).__name__} into microbatches: it holds no tensor with a batch "
-        "dimension. Return tensors (or lists/tuples/dicts of them) from the dataloader."
+        f"The batch's tensors disagree on the batch size along {setting}: {listing}. Every tensor must hold the "
+        "same samples along its batch dimension (inputs and targets of one batch must have the same number of "
+        "samples). For time-major tensors ((T, B, ...), as `nn.TransformerEncoder` with `batch_first=False` "
+        "takes them) give each item's dimension, e.g. `batch_dim={0: 1, 1: 0}`, or a hook "
+        "`batch_dim=lambda path, tensor: ...` (None gives an item whole to every microbatch)."
     )
 
 
-def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
-    """Split every tensor (and list of per-sample items) of size ``B`` in its first dimension.
+@dataclass
+class SplitBatch:
+    """A batch's microbatch plan and the microbatches cut by it (what one step runs).
 
-    Microbatch sizes differ by at most one when ``B`` is not divisible. Other leaves are shared by
-    all microbatches.
-
-    Raises:
-        ValueError: the batch has fewer samples than ``num_microbatches``.
+    Attributes:
+        plan: the plan (plain data).
+        microbatches: the batch cut by the plan, in order.
     """
-    size = batch_size_of(batch)
-    if size < num_microbatches:
-        raise ValueError(
-            f"The batch has {size} samples, fewer than `num_microbatches={num_microbatches}`: lower "
-            "`num_microbatches` or raise the batch size."
-        )
-    leaves, spec = tree_flatten(batch)
-    pieces = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size:
-            pieces.append(torch.tensor_split(leaf, num_microbatches))
-        else:
-            pieces.append([leaf] * num_microbatches)
-    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(num_microbatches)]
+
+    plan: MicrobatchPlan
+    microbatches: list[Any]

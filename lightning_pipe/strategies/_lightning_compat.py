@@ -27,6 +27,7 @@ __all__ = [
     "_SubprocessScriptLauncher",
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
+    "fix_unbounded_epoch_description",
     "peek_next_training_batch",
     "set_skip_backward",
 ]
@@ -40,6 +41,30 @@ def set_skip_backward(trainer: pl.Trainer, skip: bool) -> None:
     the same switch).
     """
     trainer.fit_loop._skip_backward = skip
+
+
+def fix_unbounded_epoch_description(trainer: pl.Trainer) -> None:
+    """Make Lightning's rich progress bar show ``Epoch 3`` rather than ``Epoch 3/-2`` without an epoch limit.
+
+    With only ``max_steps`` set, ``trainer.max_epochs`` is -1 and ``RichProgressBar`` (Lightning's
+    default bar whenever ``rich`` is installed, which lightning-pipe requires) appends
+    ``/{max_epochs - 1}``. Lightning fixed this after 2.6 (pull request 21924: no total when epochs
+    are unlimited); this applies the same rule to the trainer's bar instance on older versions.
+    """
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    bar = trainer.progress_bar_callback
+    if not isinstance(bar, RichProgressBar) or "_get_train_description" in vars(bar):
+        return
+    original = bar._get_train_description
+
+    def describe(current_epoch: int) -> str:
+        text = original(current_epoch)
+        if bar.trainer.max_epochs is not None and bar.trainer.max_epochs < 0:
+            text = text.replace(f"Epoch {current_epoch}/{bar.trainer.max_epochs - 1}", f"Epoch {current_epoch}")
+        return text
+
+    bar._get_train_description = describe
 
 
 def peek_next_training_batch(trainer: pl.Trainer) -> tuple[bool, Any]:

@@ -36,7 +36,7 @@ from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.cost_probe import CostEstimate, DeviceSpeed, count_units, fit_cost_model
 from lightning_pipe.runtime.memory_profile import sequence_lengths
-from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe.runtime.microbatch import sample_ranges
 from lightning_pipe.runtime.unit_timing import fit_timings, time_units
 
 log = logging.getLogger(__name__)
@@ -70,18 +70,17 @@ class StrategyCosts:
     def microbatch_lengths(self, batch: Any, lengths_fn: LengthsFn | None = None) -> list[list[int]]:
         """Per microbatch, the length of each of its samples, split as the strategy splits the batch.
 
-        Samples go to microbatches in order, the first ``B % num_microbatches`` microbatches taking
-        one more (``torch.tensor_split``, as ``runtime.microbatch.split_batch``).
+        The samples of each microbatch are those of the strategy's microbatch plan for the batch
+        (``ElasticPipelineStrategy.split_batch``).
 
         Raises:
             ValueError: ``lengths_fn`` gives another number of lengths than the batch has samples.
         """
         lengths = [int(n) for n in (lengths_fn or sequence_lengths)(batch)]
-        size = batch_size_of(batch)
-        if len(lengths) != size:
-            raise ValueError(f"`lengths_fn` returned {len(lengths)} lengths for a batch of {size} samples.")
-        pieces = torch.tensor_split(torch.arange(size), self._strategy.num_microbatches)
-        return [[lengths[i] for i in piece.tolist()] for piece in pieces]
+        plan = self._strategy.split_batch(batch).plan
+        if len(lengths) != plan.batch_size:
+            raise ValueError(f"`lengths_fn` returned {len(lengths)} lengths for a batch of {plan.batch_size} samples.")
+        return [lengths[start:end] for start, end in plan.sample_ranges]
 
     def replica_values(self, value: Any) -> list[Any]:
         """``value`` of every data-parallel replica, in replica order (a collective when dp > 1)."""
@@ -145,7 +144,7 @@ class StrategyCosts:
             num_sequences: samples per probe microbatch (every rank must pass the same).
         """
         strategy = self._strategy
-        microbatch = split_batch(batch, strategy.num_microbatches)[0]
+        microbatch = strategy.split_batch(batch).microbatches[0]
         return estimate_costs(
             strategy.lightning_module,
             strategy.runner.stack,
@@ -181,7 +180,7 @@ class StrategyCosts:
             The fitted :class:`CostEstimate` (``source="profile"``), the same on every rank.
         """
         strategy = self._strategy
-        microbatch = split_batch(batch, strategy.num_microbatches)[0]
+        microbatch = strategy.split_batch(batch).microbatches[0]
         params = [p for p in strategy.lightning_module.parameters() if not p.is_meta]
         timings = []
         if strategy.layout.data_parallel_rank == 0:  # replicas hold the same units: one pipeline times them
@@ -375,8 +374,7 @@ def profile_module(
 
 
 def _split(lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:
-    pieces = torch.tensor_split(torch.arange(len(lengths)), num_microbatches)
-    return [[lengths[i] for i in piece.tolist()] for piece in pieces]
+    return [list(lengths[start:end]) for start, end in sample_ranges(len(lengths), num_microbatches)]
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -36,12 +36,22 @@ from lightning_pipe.model import (
     owned_units,
     shard_module,
 )
+from lightning_pipe.model.batch_checks import describe_modules, find_sample_mixing_modules, find_time_major_modules
 from lightning_pipe.model.log_calls import reduce_log_calls
+from lightning_pipe.model.metrics import MetricStates
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.plan import PipelinePlan
-from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe.runtime.loss_weights import (
+    DeferredNormalization,
+    LossWeights,
+    check_loss_weights,
+    decide,
+    raw_weight,
+    upfront_weights,
+)
+from lightning_pipe.runtime.microbatch import BatchDim, SplitBatch, plan_microbatches
 from lightning_pipe.runtime.migration import MigrationReport, migrate, plan_transfers
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
 from lightning_pipe.strategies import _lightning_compat as compat
@@ -97,6 +107,19 @@ class ElasticPipelineStrategy(ParallelStrategy):
             runs a 2-rank pipeline on it: NCCL refuses two ranks on one GPU, so the ranks talk over gloo
             and activations travel through host memory. For checking the CUDA path and parity on a
             single GPU, not for speed.
+        batch_dim: where the batch's tensors keep their samples: one dimension for all (``1`` for
+            time-major ``(T, B, ...)`` tensors), a mapping from an item's key to its dimension
+            (``{0: 1, 1: 0}`` for ``(T, B, d)`` inputs and ``(B,)`` targets; ``None`` gives an item
+            whole to every microbatch), or a hook ``(path, tensor) -> int | None``. None: 0, and
+            a module with ``batch_first=False`` layers is refused until the layout is stated.
+        loss_weights: how microbatch losses combine into the batch's: ``"auto"`` (the loss's own
+            normalisation, read from the step: counted targets for cross-entropy/NLL means with
+            ``ignore_index``, samples otherwise), ``"samples"``, ``"sum"``, or a callable
+            ``microbatch -> weight`` (the batch loss is ``sum_i w_i L_i / sum_i w_i``). With data
+            parallelism each replica normalises over its own batch, as DDP does. See the user guide.
+        allow_sample_mixing: run modules with batch normalization in training mode, which then
+            normalizes over each microbatch's samples instead of the batch's (results differ from
+            one device; a warning says so). False: refused.
     """
 
     strategy_name = "elastic_pipe"
@@ -117,8 +140,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         mlp_chunk_size: int | None = None,
         optimizer_offload: bool = False,
         ranks_per_device: int = 1,
+        batch_dim: BatchDim | None = None,
+        loss_weights: LossWeights = "auto",
+        allow_sample_mixing: bool = False,
     ) -> None:
         super().__init__()
+        check_loss_weights(loss_weights)
         if ranks_per_device < 1:
             raise ValueError(f"`ranks_per_device` must be at least 1, got {ranks_per_device}.")
         if ranks_per_device > 1 and process_group_backend == "nccl":
@@ -149,6 +176,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
             memory_budget, recompute, offload, mlp_chunk_size, optimizer_offload=optimizer_offload
         )
         self.costs = StrategyCosts()  # cost models for planners; see strategies/costs.py
+        self._batch_dim = batch_dim
+        self.loss_weights = loss_weights
+        self._allow_sample_mixing = allow_sample_mixing
+        self._warned_sample_mixing = False
+        self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
+        self._short_programs: dict[int, Program] = {}
 
     # --- sizes and ranks -----------------------------------------------------------------------
 
@@ -258,6 +291,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             compat.set_skip_backward(trainer, True)
+            compat.fix_unbounded_epoch_description(trainer)
         self.setup_precision_plugin()
         install_global_norm_clipping(self.precision_plugin, self._global_gradient_norm)
         if self.memory.optimizer_offload:  # 16-mixed: the stage optimizers scale, unscale and agree
@@ -282,14 +316,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
         Raises:
             ValueError: manual optimization, no block stack, more stages than blocks, a
-                ``partition`` that does not fit the blocks, or a ``memory_budget`` below a stage's
-                parameters and gradients.
+                ``partition`` that does not fit the blocks, a ``memory_budget`` below a stage's
+                parameters and gradients, or time-major layers without ``batch_dim``.
         """
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 f"`{type(self).__name__}` does not support manual optimization (`automatic_optimization = False`) "
                 f"in `{type(module).__name__}`: the pipeline runs backward inside the step. Use automatic optimization."
             )
+        self._check_time_major(module)
+        self._check_sample_mixing(module, self.num_microbatches if self._num_microbatches else 2)
         if is_overridden("configure_model", module):
             return
         stack = find_blocks(module, self._blocks)
@@ -298,6 +334,20 @@ class ElasticPipelineStrategy(ParallelStrategy):
         boundaries = initial_partition(self._setup_partition_spec, module, layout, num_stages)
         if self.memory.budget is not None:
             check_budget_holds_stages(module, layout, boundaries, self.memory.budget)
+
+    def _check_time_major(self, module: Any) -> None:
+        """Refuse ``batch_first=False`` layers until ``batch_dim`` says how the batch is laid out."""
+        if self._batch_dim is not None:
+            return
+        found = find_time_major_modules(module)
+        if found:
+            raise ValueError(
+                f"`{type(module).__name__}` has time-major layers ({describe_modules(found)} with `batch_first=False`: "
+                "they take (T, B, ...) tensors), so the batch's layout cannot be told from shapes. Tell "
+                f"`{type(self).__name__}` where the samples are: `batch_dim=0` if the dataloader's tensors are batch-first "
+                "(the model transposes them), `batch_dim=1` if all are (T, B, ...), or per item, e.g. "
+                "`batch_dim={0: 1, 1: 0}` for (T, B, d) inputs and (B,) targets."
+            )
 
     def _shard(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -325,6 +375,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.memory.setup(self)
         self.costs.setup(self)
         self._tied = self._tied_parameters()
+        self._check_time_major(module)  # blocks built in `configure_model` exist now
+        self._sample_mixing = bool(find_sample_mixing_modules(module))
+        self.metric_states = MetricStates(module, self.groups.data_parallel)
+        self._short_programs = {}
 
     def _install(self, plan: PipelinePlan) -> None:
         """Make ``plan`` the current one: schedule, program, stage spans (no tensors move here)."""
@@ -431,43 +485,162 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     # --- steps ----------------------------------------------------------------------------------
 
+    def split_batch(self, batch: Any) -> SplitBatch:
+        """The microbatch plan of ``batch`` and its microbatches, cut once.
+
+        The step, the memory planner, the cost probes and the profilers all call this; the latest
+        batches' splits are kept, so a batch a callback looked at is not cut again by the step.
+
+        Raises:
+            ValueError: the batch cannot be cut unambiguously (``runtime/microbatch.py``).
+        """
+        for seen, split in self._splits:
+            if seen is batch:
+                return split
+        plan = plan_microbatches(batch, self.num_microbatches, 0 if self._batch_dim is None else self._batch_dim)
+        split = SplitBatch(plan, plan.split(batch))
+        self._splits = [(batch, split)] + self._splits[:1]
+        return split
+
+    def _program_for(self, num_microbatches: int, train: bool) -> Program:
+        """The program for this step: the plan's, or one for a short batch's fewer microbatches."""
+        if num_microbatches != self.num_microbatches:
+            program = self._short_programs.get(num_microbatches)
+            if program is None:
+                try:
+                    program = self.schedule.build(self.pipeline_parallel_size, num_microbatches)
+                    validate(program)
+                except Exception as error:
+                    raise ValueError(
+                        f"A batch has {num_microbatches} samples, fewer than `num_microbatches={self.num_microbatches}`, "
+                        f"and schedule {self.schedule.name!r} cannot run {num_microbatches} microbatches ({error}). "
+                        "Use `drop_last=True` in the dataloader, or a batch size that is a multiple of the microbatches."
+                    ) from error
+                self._short_programs[num_microbatches] = program
+            return program if train else forward_only(program)
+        return self.program if train else self.eval_program
+
+    def _check_sample_mixing(self, module: Any, num_microbatches: int, sizes: str = "") -> None:
+        """Refuse, or warn once about, batch normalization in training mode with several microbatches.
+
+        Called before processes start (``validate_module``) and at every training step (a layer may
+        be switched to training mode later)."""
+        training = [(name, m) for name, m in find_sample_mixing_modules(module) if m.training]
+        if not training or num_microbatches == 1:
+            return
+        what = (
+            f"{describe_modules(training)} normalize over the samples of each microbatch{sizes} instead of the "
+            "batch's, and update their running statistics once per microbatch: training differs from one device"
+        )
+        if not self._allow_sample_mixing:
+            raise ValueError(
+                f"`{type(module).__name__}`: {what}. Use `num_microbatches=1` (exact), a per-sample normalization "
+                f"(LayerNorm, GroupNorm), or `{type(self).__name__}(allow_sample_mixing=True)` to accept the difference."
+            )
+        if not self._warned_sample_mixing:
+            self._warned_sample_mixing = True
+            rank_zero_warn(f"{what} (`allow_sample_mixing=True`).")
+
     def _run(self, step_name: str, args: tuple, train: bool) -> Any:
         batch, rest = args[0], args[1:]
-        microbatches = split_batch(batch, self.num_microbatches)
-        sizes = [batch_size_of(mb) for mb in microbatches]
-        weights = [size / sum(sizes) for size in sizes]
+        split = self.split_batch(batch)
+        plan, microbatches = split.plan, split.microbatches
+        program = self._program_for(plan.num_microbatches, train)
+        steps = [(mb, *rest) for mb in microbatches]
+        deferred = None
         if train:
+            if self._sample_mixing:
+                sizes = f" ({plan.sizes[0]} of {plan.batch_size} samples here)"
+                self._check_sample_mixing(self.lightning_module, plan.num_microbatches, sizes)
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             block_wrapper = self.memory.before_step(batch, rest)
             # 16-mixed with optimizer offload: each microbatch's loss carries the scaler's loss scale
             scale = self.memory.step_loss_scale or 1.0
-            work = StepWork(
-                step_name, [(mb, *rest) for mb in microbatches], [w / accumulate * scale for w in weights],
-                block_wrapper=block_wrapper,
-            )
-            program = self.program
+            weights = upfront_weights(self.loss_weights, microbatches, plan.sizes)
+            if self.loss_weights == "auto" and not self.memory.optimizer_offload:
+                # counted targets are known only after each forward: normalise the gradient after the step
+                deferred = DeferredNormalization([p for p in self.lightning_module.parameters() if not p.is_meta])
+                deferred.begin()
+                sizes = plan.sizes
+                work = StepWork(
+                    step_name, steps, [scale / accumulate] * len(steps), block_wrapper=block_wrapper,
+                    count_losses=True, loss_weight=lambda mb, record: raw_weight(record, sizes[mb]),
+                )
+            else:
+                work = StepWork(
+                    step_name, steps, [w / accumulate * scale for w in weights], block_wrapper=block_wrapper,
+                    count_losses=True,
+                )
         else:
-            work = StepWork(step_name, [(mb, *rest) for mb in microbatches])
-            program = self.eval_program
+            weights = list(plan.weights)
+            work = StepWork(step_name, steps, count_losses=True)
+        if self.metric_states and self._runs_last_stage():
+            self.metric_states.begin()
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
             outcome = self.executor.run(program, self.spans, work)
         self.last_outcome = outcome
-        return self._share_outcome(outcome, weights, train)
+        return self._share_outcome(outcome, plan, weights, train, deferred)
 
-    def _share_outcome(self, outcome: Any, weights: list[float], train: bool) -> tuple[Tensor | None, Any]:
-        """Broadcast the loss and the reduced logs from the last stage; replay the logs on every rank."""
-        last_rank = self.layout.pipeline_ranks()[self.program.rank_of(self.program.num_stages - 1)]
+    def _last_stage_rank(self) -> int:
+        """Global rank of this replica's last stage."""
+        return self.layout.pipeline_ranks()[self.program.rank_of(self.program.num_stages - 1)]
+
+    def _runs_last_stage(self) -> bool:
+        return self.global_rank == self._last_stage_rank()
+
+    def _step_weights(self, outcome: Any, plan: Any, weights: list[float], deferred: Any) -> tuple[list[float], float]:
+        """On the last stage: each microbatch's share of the loss, and the gradient's normalizer."""
+        if self.loss_weights != "auto":
+            return weights, 1.0
+        mbs = sorted(outcome.loss_records)
+        records = [outcome.loss_records[mb] for mb in mbs]
+        raw = [outcome.loss_weights[mb] for mb in mbs] if deferred is not None else weights
+        decided = decide(records, plan.sizes, raw, deferred=deferred is not None)
+        return decided.weights, decided.normalizer
+
+    def _share_outcome(
+        self, outcome: Any, plan: Any, weights: list[float], train: bool, deferred: DeferredNormalization | None
+    ) -> tuple[Tensor | None, Any]:
+        """Broadcast the loss, the reduced logs and the gradient's normalizer from the last stage;
+        normalise this step's gradient and replay the logs on every rank.
+
+        An error found on the last stage (a loss that cannot be weighted exactly) travels with the
+        payload, so every rank raises it, before any optimizer step.
+        """
+        last_rank = self._last_stage_rank()
         payload = None
         if self.global_rank == last_rank:
-            mbs = sorted(outcome.logs)
-            logs = reduce_log_calls([outcome.logs[mb] for mb in mbs], [weights[mb] for mb in mbs])
-            loss = sum(weights[mb] * outcome.losses[mb].double() for mb in sorted(outcome.losses)) if train else None
-            payload = (None if loss is None else loss.cpu(), logs)
+            metric_updates = self.metric_states.end(plan.num_microbatches) if self.metric_states else {}
+            try:
+                normalizer = 1.0
+                if train:
+                    weights, normalizer = self._step_weights(outcome, plan, weights, deferred)
+                mbs = sorted(outcome.logs)
+                log_weights = [_log_weights(outcome, mb, weights[mb], plan.weights[mb]) for mb in mbs]
+                calls = [[_marked(call, self.metric_states) for call in outcome.logs[mb]] for mb in mbs]
+                logs = reduce_log_calls(calls, log_weights)
+                loss = None
+                if train:
+                    loss = sum(
+                        weights[mb] * outcome.losses[mb].double() for mb in sorted(outcome.losses) if weights[mb] != 0
+                    )
+                payload = (None if loss is None else loss.cpu(), logs, normalizer, metric_updates, None)
+            except (ValueError, TypeError) as error:
+                payload = (None, [], 1.0, {}, error)
+            finally:
+                self.metric_states.forget_outputs()
         if self.pipeline_parallel_size > 1:
             payload = collectives.broadcast_object(payload, last_rank, self.groups.pipeline)
-        loss, logs = payload
+        loss, logs, normalizer, metric_updates, error = payload
+        if error is not None:
+            raise error
+        if deferred is not None:
+            deferred.end(normalizer)
+        if self.global_rank != last_rank and metric_updates:
+            self.metric_states.apply(metric_updates, self.root_device)
         for call in logs:
-            self.lightning_module.log(call.name, call.value.to(self.root_device), **call.kwargs)
+            value = self.metric_states.resolve(call.value, self.root_device)
+            self.lightning_module.log(call.name, value.to(self.root_device) if isinstance(value, Tensor) else value, **call.kwargs)
         dtype = torch.get_default_dtype() if loss is None else next(
             (p.dtype for p in self.lightning_module.parameters() if p.is_floating_point()), torch.float32
         )
@@ -632,6 +805,30 @@ class ElasticPipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "elastic_pipe", cls, description="Pipeline parallelism for unchanged LightningModules (lightning-pipe)"
         )
+
+
+def _marked(call: Any, metric_states: MetricStates) -> Any:
+    """The call with a torchmetrics value replaced by its marker (see ``model/metrics.py``)."""
+    value = metric_states.mark(call.value)
+    return call if value is call.value else dataclasses.replace(call, value=value)
+
+
+def _log_weights(outcome: Any, mb: int, loss_weight: float, sample_weight: float) -> list[float]:
+    """Weights of microbatch ``mb``'s log calls for a "mean" reduction: the step's loss weight for
+    the returned loss, counted targets for other traced loss means, samples for the rest."""
+    record = outcome.loss_records.get(mb)
+    result = []
+    for call in outcome.logs[mb]:
+        traced = record.logged.get(id(call.value)) if record is not None else None
+        if traced is None:
+            result.append(sample_weight)
+        elif record.returned is not None and (traced.call, traced.kind) == (record.returned.call, record.returned.kind):
+            result.append(loss_weight)
+        elif traced.kind == "mean":
+            result.append(float(record.count_of(traced)))
+        else:
+            result.append(sample_weight)
+    return result
 
 
 def _unit_owners(boundaries: tuple[int, ...], program: Program, pipeline_size: int, num_units: int) -> list[set[int]]:

@@ -45,7 +45,6 @@ from lightning_pipe.runtime.memory_profile import (
     probe_microbatches,
     sequence_lengths,
 )
-from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.schedules.ir import ActionType, Program
 
@@ -177,6 +176,7 @@ class StrategyMemory:
         if not self.active or self.runtime is None:
             return None
         if self.optimizer_offload:
+            self._step_microbatches = self._strategy.split_batch(batch).plan.num_microbatches
             self._start_optimizer_offload()
         # the batch is held by the loader anyway: saved views of it (token ids) are not activations
         self._batch_tensors = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor)]
@@ -217,7 +217,7 @@ class StrategyMemory:
             self.stage_optimizers = StageOptimizers(self._single_optimizer(), self._stage_parameters())
             self._offload_layout = (tuple(strategy.boundaries), strategy.program.stage_to_rank)
         self.step_loss_scale = self._current_loss_scale()
-        self.stage_optimizers.start_step(strategy.num_microbatches, loss_scale=self.step_loss_scale)
+        self.stage_optimizers.start_step(self._step_microbatches, loss_scale=self.step_loss_scale)
 
     def _current_loss_scale(self) -> float | None:
         """The gradient scaler's scale for this step (None without an enabled scaler).
@@ -314,13 +314,13 @@ class StrategyMemory:
         """Shapes of the batch's microbatches as the strategy splits it."""
         measure = lengths or sequence_lengths
         shape = self.profile.shape if self.profile is not None else MicrobatchShape.from_lengths
-        return [shape(measure(mb)) for mb in split_batch(batch, self._strategy.num_microbatches)]
+        return [shape(measure(mb)) for mb in self._strategy.split_batch(batch).microbatches]
 
     def measure_profile(self, batch: Any, rest: tuple = (0,), probe_length: int | None = 512) -> MemoryProfile:
         """Probe this rank's stages on the batch's first microbatch, share with the pipeline, fit."""
         strategy = self._strategy
         assert self.runtime is not None
-        first = split_batch(batch, strategy.num_microbatches)[0]
+        first = strategy.split_batch(batch).microbatches[0]
         probes = [(p, *rest) for p in probe_microbatches(first, probe_length)]
         records = measure_stages(
             strategy.runner, self.runtime, "training_step", probes, list(strategy.spans.values()),

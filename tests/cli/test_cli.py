@@ -44,6 +44,25 @@ def test_installed_command_resolves_project_modules():
     assert yaml.safe_load(result.stdout)["model"]["class_path"] == "examples.gpt.model.GPT"
 
 
+@pytest.mark.skipif(shutil.which("lightning-pipe") is None, reason="package not installed (pip install -e .)")
+def test_installed_command_exits_0_after_training_and_shows_lightnings_epoch(tmp_path):
+    """The console script returns an exit status (not the CLI object, which `sys.exit` prints and turns
+    into status 1), and with only `max_steps` the bar says `Epoch 0`, not `Epoch 0/-2`."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [
+            shutil.which("lightning-pipe"), "fit", "--config", "examples/gpt/configs/cpu_2stage.yaml",
+            "--trainer.max_steps=1", "--trainer.max_epochs=null", "--trainer.limit_val_batches=0",
+            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "LightningCLI object" not in output
+    assert "Epoch 0 " in output and "Epoch 0/-2" not in output
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_every_config_trains_with_fast_dev_run(config, tmp_path):
     result = _cli(

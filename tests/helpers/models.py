@@ -138,3 +138,100 @@ class ConfiguredGPT(TinyGPT):
     def configure_model(self) -> None:
         if len(self.blocks) == 0:
             self.blocks.extend(Block(self.hparams.dim, self.hparams.heads) for _ in range(self.num_layers))
+
+
+class PaddedLM(L.LightningModule):
+    """A causal LM on padded batches whose labels mark padding with -100, as transformers' are.
+
+    ``loss`` says how the step writes its token-averaged loss: ``"functional"`` (``F.cross_entropy``,
+    default ``ignore_index=-100``), ``"module"`` (``nn.CrossEntropyLoss``), ``"num_items"`` (a sum
+    divided by the counted labels, transformers' ``num_items_in_batch`` path), ``"weighted"``
+    (per-token losses averaged with the batch's per-sample ``weight``: a normalisation no loss
+    function shows, for ``loss_weights=``).
+    """
+
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 4, lr: float = 1e-2, loss: str = "functional") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim, 2) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.criterion = nn.CrossEntropyLoss()
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x)).flatten(0, 1)  # [B * T, V]
+        labels = batch["labels"].flatten()
+        mode = self.hparams.loss
+        if mode == "functional":
+            loss = F.cross_entropy(logits, labels)
+        elif mode == "module":
+            loss = self.criterion(logits, labels)
+        elif mode == "num_items":
+            num_items = (labels != -100).sum()
+            loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / num_items
+        else:
+            per_token = F.cross_entropy(logits, labels, reduction="none").view(batch["labels"].shape)
+            counted = (batch["labels"] != -100).to(per_token.dtype)
+            per_sample = (per_token * counted).sum(1) / counted.sum(1).clamp(min=1)
+            loss = (per_sample * batch["weight"]).sum() / batch["weight"].sum()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def padded_batches(num: int, batch_size: int, length: int, counted: list, vocab: int = 32, seed: int = 0) -> list[dict]:
+    """Dict batches ``{input_ids, labels, weight}``: sample ``i`` has ``counted[i % len(counted)]``
+    labels, the rest -100 (very unequal token counts per microbatch); ``counted`` may also hold one
+    such list per batch (batch ``b`` uses ``counted[b % len(counted)]``)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    per_batch = counted if isinstance(counted[0], list) else [counted]
+    for b in range(num):
+        counted = per_batch[b % len(per_batch)]
+        ids = torch.randint(0, vocab, (batch_size, length), generator=generator)
+        labels = torch.randint(0, vocab, (batch_size, length), generator=generator)
+        for i in range(batch_size):
+            labels[i, counted[i % len(counted)] :] = -100
+        weight = torch.rand(batch_size, generator=generator, dtype=torch.float64) + 0.5
+        batches.append({"input_ids": ids, "labels": labels, "weight": weight})
+    return batches
+
+
+class TimeMajorClassifier(L.LightningModule):
+    """torch's ``nn.TransformerEncoder`` with ``batch_first=False``: inputs ``(T, B, d)``, targets ``(B,)``."""
+
+    def __init__(self, dim: int = 8, layers: int = 4, classes: int = 3, lr: float = 1e-2, norm: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layer = nn.TransformerEncoderLayer(dim, 2, dim_feedforward=16, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.bn = nn.BatchNorm1d(dim) if norm else nn.Identity()
+        self.head = nn.Linear(dim, classes)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch  # [T, B, d], [B]
+        h = self.encoder(x).mean(0)  # [B, d]
+        loss = F.cross_entropy(self.head(self.bn(h)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def time_major_batches(num: int, batch_size: int, length: int, dim: int = 8, classes: int = 3, seed: int = 0) -> list:
+    """``(x [T, B, d], y [B])`` batches (float64)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(length, batch_size, dim, generator=generator, dtype=torch.float64),
+            torch.randint(0, classes, (batch_size,), generator=generator),
+        )
+        for _ in range(num)
+    ]

@@ -51,7 +51,9 @@ def reference_batches(batches: list, data_parallel: int, seed: int = SEED) -> li
     merged = []
     for i in range(0, len(order), data_parallel):
         group = [batches[j] for j in order[i : i + data_parallel]]
-        if isinstance(group[0], dict):
+        if len(group) == 1:  # one replica: the batch as it is (any structure)
+            merged.append(group[0])
+        elif isinstance(group[0], dict):
             merged.append({k: torch.cat([b[k] for b in group]) for k in group[0]})
         else:
             merged.append(torch.cat(group))

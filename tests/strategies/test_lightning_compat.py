@@ -74,3 +74,18 @@ def test_set_skip_backward_switches_the_fit_loop_flag():
     assert trainer.fit_loop._skip_backward is True
     compat.set_skip_backward(trainer, False)
     assert trainer.fit_loop._skip_backward is False
+
+
+def test_rich_bar_without_epoch_limit_shows_the_epoch_alone():
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, callbacks=[RichProgressBar()], logger=False)
+    bar = trainer.progress_bar_callback
+    bar.setup(trainer, _Linear(), "fit")
+    trainer.fit_loop.max_epochs = -1  # what `fit` sets when only `max_steps` is given
+    if "/-2" not in bar._get_train_description(0):
+        pytest.skip("this Lightning already omits the total without an epoch limit")
+    compat.fix_unbounded_epoch_description(trainer)
+    assert bar._get_train_description(0).strip() == "Epoch 0"
+    trainer.fit_loop.max_epochs = 3
+    assert bar._get_train_description(0).strip() == "Epoch 0/2"
