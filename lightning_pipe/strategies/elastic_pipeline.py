@@ -172,8 +172,17 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Always distributed: tells Lightning to shard data with a distributed sampler."""
-        return True
+        """Whether Lightning shards the training data with a ``DistributedSampler``: only with several
+        data-parallel replicas (then exactly as under DDP).
+
+        Lightning gives the training loader of every distributed strategy a *shuffling* sampler,
+        whatever the loader's ``shuffle`` says (``_process_dataloader``). With one replica, every rank
+        of the pipeline must read the user's loader as it is, so that the run sees the batches a
+        one-device run sees: answering False here keeps Lightning's hands off the loader. (Lightning
+        reads this attribute only for the sampler rule, ``self.log(sync_dist=...)``, which spans the
+        data-parallel replicas here anyway, and the tuner's refusal of distributed runs.)
+        """
+        return self.layout.data_parallel_size > 1
 
     @property
     def pipeline_parallel_size(self) -> int:
