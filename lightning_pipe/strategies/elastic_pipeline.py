@@ -618,8 +618,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Load each optimizer's state, keeping only the entries of parameters this rank owns."""
-        checkpointing.load_owned_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
+        """Load each optimizer's state, keeping only the entries of parameters this rank owns (into the
+        host optimizers with ``optimizer_offload=True``)."""
+        checkpointing.load_owned_optimizer_states(self, checkpoint["optimizer_states"])
 
     @override
     def teardown(self) -> None:

@@ -121,6 +121,7 @@ class StrategyMemory:
         self.grad_scaler: torch.amp.GradScaler | None = None  # 16-mixed with optimizer offload
         self.step_loss_scale: float | None = None  # the loss scale of the running step (None: unscaled)
         self.last_overflow = False  # whether the last offloaded step was undone for a non-finite gradient
+        self._loaded_optimizer_state: dict | None = None  # from a checkpoint, until the host optimizers exist
 
     # --- wiring ----------------------------------------------------------------------------------
 
@@ -216,8 +217,34 @@ class StrategyMemory:
         if self.stage_optimizers is None:
             self.stage_optimizers = StageOptimizers(self._single_optimizer(), self._stage_parameters())
             self._offload_layout = (tuple(strategy.boundaries), strategy.program.stage_to_rank)
+            if self._loaded_optimizer_state is not None:  # resumed: the checkpoint's state goes to the host
+                self.stage_optimizers.load_state_dict(self._loaded_optimizer_state)
+                self._loaded_optimizer_state = None
         self.step_loss_scale = self._current_loss_scale()
         self.stage_optimizers.start_step(strategy.num_microbatches, loss_scale=self.step_loss_scale)
+
+    def offloaded_optimizer_state(self, optimizer: Optimizer) -> dict[str, dict[int, Any]] | None:
+        """This rank's host-side state of ``optimizer`` for a checkpoint, or None if it is not offloaded.
+
+        ``{"state": {index: state}, "master_weights": {index: master}}`` numbered like ``optimizer``
+        (see :meth:`StageOptimizers.state_dict`). Before the first step of a resumed run, the state
+        loaded from the checkpoint (not yet on the host optimizers, which the first step creates).
+        """
+        if not self.optimizer_offload:
+            return None
+        if self.stage_optimizers is not None and self.stage_optimizers.user_optimizer is optimizer:
+            return self.stage_optimizers.state_dict()
+        if self._loaded_optimizer_state is not None:
+            return self._loaded_optimizer_state
+        return None
+
+    def load_offloaded_optimizer_state(self, state: dict[str, dict[int, Any]]) -> None:
+        """Give the host optimizers the checkpoint's entries of this rank's parameters (now, or when the
+        first step creates them), so a resumed run continues with the saved moments and masters."""
+        if self.stage_optimizers is not None:
+            self.stage_optimizers.load_state_dict(state)
+        else:
+            self._loaded_optimizer_state = state
 
     def _current_loss_scale(self) -> float | None:
         """The gradient scaler's scale for this step (None without an enabled scaler).
