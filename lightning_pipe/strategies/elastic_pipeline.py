@@ -39,6 +39,7 @@ from lightning_pipe.model import (
 from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
@@ -245,7 +246,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
-        self.groups = create_process_groups(self.layout)
+        self.groups = create_process_groups(self.layout, timeout=self._timeout)
 
     @property
     def process_group_backend(self) -> str:
@@ -326,6 +327,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 send_dtypes=isinstance(self.precision_plugin, MixedPrecision),
                 # gloo has no point-to-point for CUDA tensors: they travel through host memory
                 host_staging=self.process_group_backend == "gloo" and self.root_device.type == "cuda",
+                timeout=self._timeout,
             ),
             self.layout.pipeline_ranks(),
             self.layout.pipeline_rank,
@@ -473,7 +475,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             loss = sum(weights[mb] * outcome.losses[mb].double() for mb in sorted(outcome.losses)) if train else None
             payload = (None if loss is None else loss.cpu(), logs)
         if self.pipeline_parallel_size > 1:
-            payload = collectives.broadcast_object(payload, last_rank, self.groups.pipeline)
+            payload = collectives.broadcast_object(
+                payload, last_rank, self.groups.pipeline, operation=f"the broadcast of the step's loss and logs from rank {last_rank} (the last stage)"
+            )
         loss, logs = payload
         for call in logs:
             self.lightning_module.log(call.name, call.value.to(self.root_device), **call.kwargs)
@@ -559,7 +563,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if self._tied and self.groups.ends is not None:
             collectives.sum_tied_gradients(self._tied, self.groups.ends)
         collectives.average_gradients(
-            self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size
+            self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size,
+            operation=f"the gradient average of stages {list(self.spans)} over data-parallel replicas",
         )
 
     def _global_gradient_norm(self, grads: list[Tensor]) -> Tensor:
@@ -575,14 +580,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
-            torch.distributed.barrier()
+            with naming_failures(f"Lightning's barrier {name or ''}".rstrip(), None):
+                torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
+        with naming_failures(f"Lightning's broadcast from rank {src}", None):
+            torch.distributed.broadcast_object_list(box, src)
         return box[0]
 
     @override
@@ -592,7 +599,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if not _distributed_is_initialized():
             return decision
         votes = torch.tensor(int(decision), device=self.root_device)
-        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
+        with naming_failures("Lightning's vote of every process (reduce_boolean_decision)", None):
+            torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
         return bool(votes == self.world_size) if all else bool(votes > 0)
 
     @override
@@ -602,7 +610,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return tensor
         from lightning.fabric.utilities.distributed import _sync_ddp
 
-        return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
+        with naming_failures("a reduction of logged values over data-parallel replicas", group or self.groups.data_parallel):
+            return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
 
     # --- checkpoints (see checkpointing.py) ----------------------------------------------------
 

@@ -45,6 +45,7 @@ from lightning_pipe.runtime.memory_profile import (
     probe_microbatches,
     sequence_lengths,
 )
+from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.schedules.ir import ActionType, Program
@@ -267,7 +268,8 @@ class StrategyMemory:
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return overflow
         flag = torch.tensor(float(overflow), device=self._strategy.root_device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        with naming_failures("the agreement on a gradient overflow (16-mixed)", None):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
     def _update_loss_scale(self, overflow: bool) -> None:
