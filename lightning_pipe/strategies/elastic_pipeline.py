@@ -267,6 +267,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._shard(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            checkpointing.check_optimizers(self.optimizers, type(self).__name__)
             compat.set_skip_backward(trainer, True)
         self.setup_precision_plugin()
         install_global_norm_clipping(self.precision_plugin, self._global_gradient_norm)
@@ -544,7 +545,17 @@ class ElasticPipelineStrategy(ParallelStrategy):
         optimizer steps nothing.
         """
 
+        calls = 0
+
         def closure_then_synchronize() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:  # before it runs the pipelined step a second time
+                raise RuntimeError(
+                    f"`{type(getattr(optimizer, 'optimizer', optimizer)).__name__}.step` called its closure a second time in "
+                    f"one step: `{type(self).__name__}` runs the pipelined forward and backward once per optimizer step "
+                    "and does not support optimizers that re-evaluate the loss. Use a first-order optimizer (SGD, Adam, ...)."
+                )
             result = closure()
             self._synchronize_gradients(optimizer)
             return result
@@ -614,6 +625,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
 
     # --- checkpoints (see checkpointing.py) ----------------------------------------------------
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Copy the checkpoint's tensors into the units this rank holds (the rest stay on meta, silently)."""
+        checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

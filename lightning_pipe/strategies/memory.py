@@ -91,7 +91,10 @@ class StrategyMemory:
         planning_margin: float = 0.05,
         optimizer_offload: bool = False,
     ) -> None:
-        self.budget: int | None = None if memory_budget is None else parse_size(memory_budget)
+        try:
+            self.budget: int | None = None if memory_budget is None else parse_size(memory_budget)
+        except ValueError as error:
+            raise ValueError(f"`memory_budget={memory_budget!r}`: {error}") from None
         self.auto = recompute == "auto"
         if self.auto and self.budget is None:
             raise ValueError("`recompute='auto'` chooses a plan under `memory_budget`: set `memory_budget` (e.g. '40GiB').")
