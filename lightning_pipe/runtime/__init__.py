@@ -1,13 +1,17 @@
 """Executing programs on one rank: stages, point-to-point transfers, collectives."""
 
 from lightning_pipe.runtime.executor import ActionRecord, PipelineExecutor, StepOutcome, StepWork
+from lightning_pipe.runtime.failures import CollectiveFailure, PeerFailure
 from lightning_pipe.runtime.groups import ProcessGroups, RankLayout, create_process_groups
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.p2p import PointToPoint
 
-# Public: the executor and the process-group layout the strategy builds on.
+# Public: the executor and the process-group layout the strategy builds on; the errors a rank raises
+# when a peer is gone (to catch them).
 __all__ = [
     "ActionRecord",
+    "CollectiveFailure",
+    "PeerFailure",
     "PipelineExecutor",
     "PointToPoint",
     "ProcessGroups",

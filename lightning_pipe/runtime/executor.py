@@ -131,7 +131,10 @@ class PipelineExecutor:
                 try:
                     self._execute(action, outcome)
                 except PeerFailure as failure:  # say which action of which stage waited
-                    where = f"{me}, running {action.type.name} of stage {action.stage}, microbatch {action.microbatch} ({action}),"
+                    where = (
+                        f"{me}, running {action.type.name} of stage {action.stage}, "
+                        f"microbatch {action.microbatch} ({action}),"
+                    )
                     raise failure.located(where) from failure.cause
                 outcome.records.append(ActionRecord(action, start, time.perf_counter(), self._waited))
             try:

@@ -52,8 +52,15 @@ class PeerFailure(RuntimeError):
     """
 
     def __init__(
-        self, peer: int, peer_stage: int, what: str, microbatch: int, receiving: bool, timeout: timedelta | None,
-        cause: BaseException, where: str = "",
+        self,
+        peer: int,
+        peer_stage: int,
+        what: str,
+        microbatch: int,
+        receiving: bool,
+        timeout: timedelta | None,
+        cause: BaseException,
+        where: str = "",
     ) -> None:
         self.peer, self.peer_stage, self.what, self.microbatch = peer, peer_stage, what, microbatch
         self.receiving, self.timeout, self.cause, self.where = receiving, timeout, cause, where
@@ -66,8 +73,10 @@ class PeerFailure(RuntimeError):
         )
 
     def _message(self) -> str:
-        direction = f"receive the {self.what} of microbatch {self.microbatch} from" if self.receiving else (
-            f"send the {self.what} of microbatch {self.microbatch} to"
+        direction = (
+            f"receive the {self.what} of microbatch {self.microbatch} from"
+            if self.receiving
+            else (f"send the {self.what} of microbatch {self.microbatch} to")
         )
         where = self.where or "This rank"
         return (
@@ -80,8 +89,16 @@ class PeerFailure(RuntimeError):
     def __reduce__(self):  # picklable for spawn's error reporting
         return (
             PeerFailure,
-            (self.peer, self.peer_stage, self.what, self.microbatch, self.receiving, self.timeout,
-             RuntimeError(str(self.cause)), self.where),
+            (
+                self.peer,
+                self.peer_stage,
+                self.what,
+                self.microbatch,
+                self.receiving,
+                self.timeout,
+                RuntimeError(str(self.cause)),
+                self.where,
+            ),
         )
 
 
@@ -90,7 +107,9 @@ class CollectiveFailure(RuntimeError):
 
 
 @contextmanager
-def naming_failures(operation: str, group: dist.ProcessGroup | None, timeout: timedelta | None = None) -> Iterator[None]:
+def naming_failures(
+    operation: str, group: dist.ProcessGroup | None, timeout: timedelta | None = None
+) -> Iterator[None]:
     """Turn a backend error inside a collective into a :class:`CollectiveFailure` that names the
     collective (``operation``), this rank and the group's ranks, and says what to check."""
     try:

@@ -131,7 +131,10 @@ class PointToPoint:
             shapes = [(shape, _DTYPE_LIST[code]) for (shape, _), code in zip(shapes, codes.tolist(), strict=True)]
         buffers = [torch.empty(shape, dtype=dtype, device=wire) for shape, dtype in shapes]
         peer = (src, kind, stage, microbatch)
-        works = [self._irecv(buffer, src, message_tag(kind, stage, microbatch, leaf), peer) for leaf, buffer in enumerate(buffers)]
+        works = [
+            self._irecv(buffer, src, message_tag(kind, stage, microbatch, leaf), peer)
+            for leaf, buffer in enumerate(buffers)
+        ]
         for work in works:
             self._wait(work, peer, receiving=True)
         return [buffer.to(device) for buffer in buffers] if self.host_staging else buffers

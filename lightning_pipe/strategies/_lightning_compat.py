@@ -60,7 +60,8 @@ def install_strategy_name_hint(name: str) -> None:
             if "invalid strategy name" not in str(error) or not isinstance(flag, str):
                 raise
             normalized = flag.replace("-", "_").replace(" ", "_")
-            if normalized != name and not difflib.get_close_matches(normalized, [name, name + "line"], n=1, cutoff=0.75):
+            close = difflib.get_close_matches(normalized, [name, name + "line"], n=1, cutoff=0.75)
+            if normalized != name and not close:
                 raise
             raise ValueError(
                 f"{error} Did you mean `strategy={name!r}` (lightning-pipe's pipeline strategy; Lightning's strategy "

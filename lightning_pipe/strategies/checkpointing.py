@@ -141,8 +141,8 @@ def check_optimizers(optimizers: list[Optimizer], strategy_name: str) -> None:
         optimizer = getattr(optimizer, "optimizer", optimizer)
         if isinstance(optimizer, _CLOSURE_OPTIMIZERS):
             raise ValueError(
-                f"`{type(optimizer).__name__}` is not supported by `{strategy_name}`: it re-evaluates the closure several "
-                "times per step and works on all parameters as one flat vector, while each pipeline rank runs the "
-                "forward and backward once per step and holds only its own stages' parameters. Use a first-order "
-                "optimizer (SGD, Adam, AdamW, ...) in `configure_optimizers`, or train on one device."
+                f"`{type(optimizer).__name__}` is not supported by `{strategy_name}`: it re-evaluates the closure "
+                "several times per step and works on all parameters as one flat vector, while each pipeline rank "
+                "runs the forward and backward once per step and holds only its own stages' parameters. Use a "
+                "first-order optimizer (SGD, Adam, AdamW, ...) in `configure_optimizers`, or train on one device."
             )

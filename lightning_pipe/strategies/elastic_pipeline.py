@@ -477,7 +477,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             payload = (None if loss is None else loss.cpu(), logs)
         if self.pipeline_parallel_size > 1:
             payload = collectives.broadcast_object(
-                payload, last_rank, self.groups.pipeline, operation=f"the broadcast of the step's loss and logs from rank {last_rank} (the last stage)"
+                payload, last_rank, self.groups.pipeline,
+                operation=f"the broadcast of the step's loss and logs from rank {last_rank} (the last stage)",
             )
         loss, logs = payload
         for call in logs:
@@ -551,10 +552,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             nonlocal calls
             calls += 1
             if calls > 1:  # before it runs the pipelined step a second time
+                name = type(getattr(optimizer, "optimizer", optimizer)).__name__
                 raise RuntimeError(
-                    f"`{type(getattr(optimizer, 'optimizer', optimizer)).__name__}.step` called its closure a second time in "
-                    f"one step: `{type(self).__name__}` runs the pipelined forward and backward once per optimizer step "
-                    "and does not support optimizers that re-evaluate the loss. Use a first-order optimizer (SGD, Adam, ...)."
+                    f"`{name}.step` called its closure a second time in one step: `{type(self).__name__}` runs the "
+                    "pipelined forward and backward once per optimizer step and does not support optimizers that "
+                    "re-evaluate the loss. Use a first-order optimizer (SGD, Adam, ...)."
                 )
             result = closure()
             self._synchronize_gradients(optimizer)
@@ -621,8 +623,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return tensor
         from lightning.fabric.utilities.distributed import _sync_ddp
 
-        with naming_failures("a reduction of logged values over data-parallel replicas", group or self.groups.data_parallel):
-            return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
+        group = group or self.groups.data_parallel
+        with naming_failures("a reduction of logged values over data-parallel replicas", group):
+            return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
 
     # --- checkpoints (see checkpointing.py) ----------------------------------------------------
 

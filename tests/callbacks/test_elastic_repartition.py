@@ -13,7 +13,6 @@ from lightning_pipe.strategies.costs import estimate_costs
 from tests.helpers.callbacks import RecordPlans, read_plans
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import (
-    SEED,
     START_METHOD,
     assert_same_parameters,
     fit,

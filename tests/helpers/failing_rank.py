@@ -54,8 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         pipeline_parallel_size=args.pp, num_microbatches=4, timeout=timedelta(seconds=args.timeout)
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=args.step + 3, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=args.step + 3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[SignalSelf(args.victim, args.step, getattr(signal, f"SIG{args.signal}"), args.directory)],
     )
     batches = token_batches(8, batch_size=4, lengths=7)

@@ -73,7 +73,13 @@ class _Forked:
 
 
 def run_failing_job(
-    directory: Path, world_size: int, pp: int, victim: int, signal_name: str, timeout: float, limit: float,
+    directory: Path,
+    world_size: int,
+    pp: int,
+    victim: int,
+    signal_name: str,
+    timeout: float,
+    limit: float,
     fork: bool = True,
 ) -> dict[int, RankExit]:
     """Run tests/helpers/failing_rank.py on ``world_size`` processes; rank ``victim`` sends itself
@@ -89,12 +95,26 @@ def run_failing_job(
     processes = []
     for rank in range(world_size):
         env = dict(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
-            LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(REPOSITORY),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPOSITORY),
         )
         argv = [
-            "--pp", str(pp), "--victim", str(victim), "--signal", signal_name, "--timeout", str(timeout),
-            "--directory", str(directory),
+            "--pp",
+            str(pp),
+            "--victim",
+            str(victim),
+            "--signal",
+            signal_name,
+            "--timeout",
+            str(timeout),
+            "--directory",
+            str(directory),
         ]
         log_path = directory / f"rank{rank}.log"
         if fork:
@@ -105,7 +125,9 @@ def run_failing_job(
             command = [sys.executable, "-m", "tests.helpers.failing_rank", *argv]
             log = open(log_path, "w")
             processes.append(
-                subprocess.Popen(command, cwd=REPOSITORY, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+                subprocess.Popen(
+                    command, cwd=REPOSITORY, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT
+                )
             )
     ended: dict[int, float] = {}
     signalled = directory / "signalled.txt"

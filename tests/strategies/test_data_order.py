@@ -61,8 +61,14 @@ def _train(strategy, devices: int, directory, steps: int) -> L.LightningModule:
     L.seed_everything(SEED, verbose=False)
     model = TinyGPT(layers=2).double()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[RecordBatches(directory)],
     )
     trainer.fit(model, DataLoader(BatchDataset(_batches()), batch_size=None, shuffle=False))

@@ -43,13 +43,18 @@ class ClosureTwiceGPT(TinyGPT):
 
 @pytest.mark.timeout(120)
 def test_lbfgs_is_refused_before_the_first_update():
-    with pytest.raises(Exception, match=r"`LBFGS` is not supported by `ElasticPipelineStrategy`: it re-evaluates the closure.*Use a first-order optimizer"):
+    with pytest.raises(
+        Exception,
+        match=r"`LBFGS` is not supported by `ElasticPipelineStrategy`: it re-evaluates the closure.*Use a first-order optimizer",
+    ):
         run(lambda: LBFGSGPT(layers=2).double(), BATCHES, pipeline(2), devices=2, max_steps=1)
 
 
 @pytest.mark.timeout(120)
 def test_an_optimizer_calling_its_closure_twice_is_stopped_before_it_updates():
-    with pytest.raises(Exception, match=r"`ClosureTwice.step` called its closure a second time in one step.*first-order optimizer"):
+    with pytest.raises(
+        Exception, match=r"`ClosureTwice.step` called its closure a second time in one step.*first-order optimizer"
+    ):
         run(lambda: ClosureTwiceGPT(layers=2).double(), BATCHES, pipeline(2), devices=2, max_steps=1)
 
 
@@ -69,7 +74,10 @@ def test_unrelated_strategy_names_keep_lightnings_message():
     ("budget", "message"),
     [
         ("-1GiB", r"`memory_budget='-1GiB'`: A size must be finite and not negative, got '-1GiB'"),
-        ("40 GiBs", r"`memory_budget='40 GiBs'`: Cannot read the size '40 GiBs': use a number of bytes or a number with a unit"),
+        (
+            "40 GiBs",
+            r"`memory_budget='40 GiBs'`: Cannot read the size '40 GiBs': use a number of bytes or a number with a unit",
+        ),
         (-5, r"`memory_budget=-5`: A size must be finite and not negative"),
     ],
 )

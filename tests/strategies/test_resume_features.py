@@ -54,9 +54,7 @@ def _only_file(directory: Path) -> str:
     return str(directory / files[0])
 
 
-def run_killed(
-    directory: Path, strategy, devices: int, data=BATCHES, make_model=make, callbacks=(), **kwargs
-) -> str:
+def run_killed(directory: Path, strategy, devices: int, data=BATCHES, make_model=make, callbacks=(), **kwargs) -> str:
     """Train until the step-2 checkpoint is written, SIGKILL every rank; the checkpoint's path."""
     callbacks = [*callbacks, KillAfterCheckpoint(directory)]
     with pytest.raises(Exception, match="SIGKILL|signal 9|exit code -9"):
@@ -76,7 +74,9 @@ def resume(path: str, strategy="auto", devices: int = 1, data=BATCHES, make_mode
 def reference(tmp_path_factory) -> dict:
     """One device, uninterrupted: the checkpoint at step 2 and the module after 4 steps."""
     root = tmp_path_factory.mktemp("reference")
-    module, _, _ = run(make, BATCHES, max_steps=4, callbacks=[ModelCheckpoint(root, every_n_train_steps=2, save_top_k=-1)])
+    module, _, _ = run(
+        make, BATCHES, max_steps=4, callbacks=[ModelCheckpoint(root, every_n_train_steps=2, save_top_k=-1)]
+    )
     return {"checkpoint2": torch.load(root / "epoch=0-step=2.ckpt", weights_only=False), "module4": module}
 
 
@@ -129,17 +129,30 @@ def test_optimizer_offload_resumes_the_gradient_scaler_under_16_mixed(tmp_path):
     """``16-mixed``: the GradScaler's scale and growth tracker come back with the checkpoint."""
 
     def fp16():
-        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1))
+        return MixedPrecision(
+            "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        )
 
-    _, trainer, _ = run(
-        make, BATCHES, pipeline(2, optimizer_offload=True), devices=2, max_steps=4, plugins=[fp16()],
+    run(
+        make,
+        BATCHES,
+        pipeline(2, optimizer_offload=True),
+        devices=2,
+        max_steps=4,
+        plugins=[fp16()],
         callbacks=[ModelCheckpoint(tmp_path / "whole", every_n_train_steps=4)],
     )
     uninterrupted = torch.load(_only_file(tmp_path / "whole"), weights_only=False)
     path = run_killed(tmp_path / "killed", pipeline(2, optimizer_offload=True), 2, plugins=[fp16()])
     saved_scale = torch.load(path, weights_only=False)["MixedPrecision"]["scale"]
     assert saved_scale == 2.0**12  # grew at each of the two steps
-    resume(path, pipeline(2, optimizer_offload=True), 2, plugins=[fp16()], callbacks=[ModelCheckpoint(tmp_path / "resumed", every_n_train_steps=4)])
+    resume(
+        path,
+        pipeline(2, optimizer_offload=True),
+        2,
+        plugins=[fp16()],
+        callbacks=[ModelCheckpoint(tmp_path / "resumed", every_n_train_steps=4)],
+    )
     resumed = torch.load(_only_file(tmp_path / "resumed"), weights_only=False)
     assert resumed["MixedPrecision"] == uninterrupted["MixedPrecision"]
     assert_same_checkpoint(resumed, uninterrupted, atol=0)
@@ -162,7 +175,9 @@ def test_memory_plan_run_resumes_exactly(tmp_path, reference):
 def migrated(tmp_path_factory) -> str:
     """A pp=2 run that moves units between ranks before every step, killed after its step-2 checkpoint."""
     strategy = pipeline(2, schedule="1f1b")
-    return run_killed(tmp_path_factory.mktemp("migrated"), strategy, devices=2, callbacks=[RandomPlans(["1f1b", "interleaved_1f1b"])])
+    return run_killed(
+        tmp_path_factory.mktemp("migrated"), strategy, devices=2, callbacks=[RandomPlans(["1f1b", "interleaved_1f1b"])]
+    )
 
 
 @pytest.mark.timeout(120)
@@ -194,7 +209,9 @@ class MergedReplicaBatches(Sampler):
         return self.num_samples // self.num_replicas // self.batch_size
 
     def __iter__(self):
-        order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        order = torch.randperm(
+            self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        ).tolist()
         shards = [order[r :: self.num_replicas] for r in range(self.num_replicas)]
         for k in range(len(self)):
             yield [i for shard in shards for i in shard[k * self.batch_size : (k + 1) * self.batch_size]]
@@ -210,7 +227,10 @@ def test_data_parallel_checkpoint_resumes_exactly(tmp_path):
     replicas = lambda: DataLoader(samples, batch_size=4)  # noqa: E731
     one_device = lambda: DataLoader(samples, batch_sampler=MergedReplicaBatches(len(samples), 2, 4))  # noqa: E731
     reference, _, _ = run(
-        make, one_device(), max_steps=4, callbacks=[ModelCheckpoint(tmp_path / "ref", every_n_train_steps=2, save_top_k=-1)]
+        make,
+        one_device(),
+        max_steps=4,
+        callbacks=[ModelCheckpoint(tmp_path / "ref", every_n_train_steps=2, save_top_k=-1)],
     )
     expected2 = torch.load(tmp_path / "ref" / "epoch=0-step=2.ckpt", weights_only=False)
     path = run_killed(tmp_path / "killed", pipeline(2), devices=4, data=replicas())
