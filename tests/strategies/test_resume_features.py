@@ -13,10 +13,13 @@ import os
 import signal
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from tests.helpers.callbacks import RandomPlans
@@ -156,6 +159,41 @@ def test_optimizer_offload_resumes_the_gradient_scaler_under_16_mixed(tmp_path):
     resumed = torch.load(_only_file(tmp_path / "resumed"), weights_only=False)
     assert resumed["MixedPrecision"] == uninterrupted["MixedPrecision"]
     assert_same_checkpoint(resumed, uninterrupted, atol=0)
+
+
+class TorchEncoderLM(L.LightningModule):
+    """A causal language model on torch's own ``nn.TransformerEncoder`` (code nobody here wrote)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch[:, :-1], batch[:, 1:]
+        T = ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=ids.device, dtype=self.head.weight.dtype)
+        hidden = self.encoder(self.embed(ids), mask=mask, is_causal=True)  # [B, T, C]
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.timeout(120)
+def test_torch_transformer_encoder_with_optimizer_offload_resumes_exactly(tmp_path):
+    make_encoder = lambda: TorchEncoderLM().double()  # noqa: E731
+    uninterrupted, _, _ = run(make_encoder, BATCHES, max_steps=4)
+    path = run_killed(tmp_path, pipeline(2, optimizer_offload=True), 2, make_model=make_encoder)
+    assert len(torch.load(path, weights_only=False)["optimizer_states"][0]["state"]) == len(
+        list(make_encoder().parameters())
+    )
+    resumed, _ = resume(path, pipeline(2, optimizer_offload=True), 2, make_model=make_encoder)
+    assert_same_parameters(resumed, uninterrupted, atol=1e-10)
+    resumed, _ = resume(path, make_model=make_encoder)
+    assert_same_parameters(resumed, uninterrupted, atol=1e-10)
 
 
 # --- memory plans, migrations, data parallel ------------------------------------------------------
