@@ -1,18 +1,22 @@
 """lightning-pipe: pipeline-parallel training of unchanged LightningModules.
 
 ``import lightning_pipe`` registers the strategy name ``"elastic_pipe"`` with Lightning, so
-``Trainer(strategy="elastic_pipe")`` works (Lightning has no entry point for strategies).
+``Trainer(strategy="elastic_pipe")`` works (Lightning has no entry point for strategies: without the
+import, Lightning answers "You selected an invalid strategy name"). Near-misses such as
+``"elastic-pipe"`` get a "did you mean" added to Lightning's error while the package is imported.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe.planning import MemoryPlan, PipelinePlan, StageMemory
 from lightning_pipe.strategies import ElasticPipelineStrategy
+from lightning_pipe.strategies._lightning_compat import install_strategy_name_hint
 
 __version__ = "0.1.0"
 
 if "elastic_pipe" not in StrategyRegistry:
     ElasticPipelineStrategy.register_strategies(StrategyRegistry)
+install_strategy_name_hint("elastic_pipe")  # "elastic-pipe" and the like: Lightning's error gets a hint
 
 # Public API.
 __all__ = ["ElasticPipelineStrategy", "MemoryPlan", "PipelinePlan", "StageMemory", "__version__"]

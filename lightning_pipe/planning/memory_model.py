@@ -41,7 +41,7 @@ def parse_size(value: str | int | float) -> int:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         size = float(value)
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if match is None or match.group(2).lower() not in _UNITS:
             raise ValueError(
                 f"Cannot read the size {value!r}: use a number of bytes or a number with a unit among "
@@ -49,7 +49,7 @@ def parse_size(value: str | int | float) -> int:
             )
         size = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not (size >= 0 and math.isfinite(size)):
-        raise ValueError(f"A size must be finite and >= 0 bytes, got {value!r}.")
+        raise ValueError(f"A size must be finite and not negative, got {value!r}.")
     return int(size)
 
 

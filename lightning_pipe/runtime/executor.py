@@ -26,6 +26,7 @@ from torch import Tensor
 from lightning_pipe.model.loss_counting import LossCounter, LossRecord
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
+from lightning_pipe.runtime.failures import PeerFailure
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PointToPoint
 from lightning_pipe.runtime.split_backward import WeightPass, backward_input
 from lightning_pipe.schedules.ir import Action, ActionType, Program
@@ -136,13 +137,24 @@ class PipelineExecutor:
         self._local_activations: dict[tuple[int, int], list[Tensor]] = {}
         self._local_gradients: dict[tuple[int, int], list[Tensor]] = {}
         outcome = StepOutcome()
+        me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
         try:
             for action in program.actions[self.pipeline_rank]:
                 self._waited = 0.0
                 start = time.perf_counter()
-                self._execute(action, outcome)
+                try:
+                    self._execute(action, outcome)
+                except PeerFailure as failure:  # say which action of which stage waited
+                    where = (
+                        f"{me}, running {action.type.name} of stage {action.stage}, "
+                        f"microbatch {action.microbatch} ({action}),"
+                    )
+                    raise failure.located(where) from failure.cause
                 outcome.records.append(ActionRecord(action, start, time.perf_counter(), self._waited))
-            self.p2p.wait_sends()
+            try:
+                self.p2p.wait_sends()
+            except PeerFailure as failure:
+                raise failure.located(f"{me}, at the end of the step,") from failure.cause
         finally:
             self._slots = {}
             self._local_activations = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -67,17 +68,24 @@ class ProcessGroups:
     ends: dist.ProcessGroup | None
 
 
-def create_process_groups(layout: RankLayout) -> ProcessGroups:
-    """Create every pipeline and data-parallel group (a collective: all ranks must call it)."""
+def create_process_groups(layout: RankLayout, timeout: timedelta | None = None) -> ProcessGroups:
+    """Create every pipeline and data-parallel group (a collective: all ranks must call it).
+
+    Args:
+        layout: the rank layout.
+        timeout: how long any operation of these groups may wait for a peer (the strategy's
+            ``timeout``); None: torch's default for the backend (30 minutes), which lets a frozen
+            peer hang the others for that long.
+    """
     pipeline = data_parallel = ends = None
     for d in range(layout.data_parallel_size):
         ranks = layout.pipeline_ranks(d)
-        group = dist.new_group(ranks)
-        ends_group = dist.new_group([ranks[0], ranks[-1]]) if len(ranks) > 1 else None
+        group = dist.new_group(ranks, timeout=timeout)
+        ends_group = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if len(ranks) > 1 else None
         if d == layout.data_parallel_rank:
             pipeline, ends = group, ends_group
     for p in range(layout.pipeline_parallel_size):
-        group = dist.new_group(layout.data_parallel_ranks(p))
+        group = dist.new_group(layout.data_parallel_ranks(p), timeout=timeout)
         if p == layout.pipeline_rank:
             data_parallel = group
     assert pipeline is not None and data_parallel is not None

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -65,6 +66,15 @@ class _Stage:
     counts: dict[int, int] = field(default_factory=dict)
     future: Future | None = None
     record: StageStep | None = None
+
+
+def _as_state(key: str, value: Any, master: Tensor) -> Any:
+    """A loaded state value as the host optimizer keeps it (torch's policy, with the master as parameter)."""
+    if not isinstance(value, Tensor):
+        return value
+    if key == "step" or not value.is_floating_point():
+        return value.detach().to("cpu").clone()
+    return value.detach().to(device="cpu", dtype=master.dtype).clone()
 
 
 def _host_copy(tensor: Tensor, dtype: torch.dtype, pin: bool) -> Tensor:
@@ -140,6 +150,56 @@ class StageOptimizers:
     def masters(self, stage: int) -> list[Tensor]:
         """Host master weights of ``stage``, in the order of its parameters."""
         return self._stages[stage].masters
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def _user_indices(self) -> dict[int, int]:
+        """Index of each parameter in the user's optimizer (torch's state-dict numbering), by id."""
+        params = [p for group in self.user_optimizer.param_groups for p in group["params"]]
+        return {id(p): index for index, p in enumerate(params)}
+
+    def state_dict(self) -> dict[str, dict[int, Any]]:
+        """This rank's share of the optimizer state, numbered like the user's optimizer, on the CPU.
+
+        Call it between steps (no stage step running). Returns ``{"state": {index: per-parameter
+        state}, "master_weights": {index: master}}``: ``state`` is what torch's single-process
+        optimizer would hold for that parameter; ``master_weights`` only lists masters wider than their
+        parameter (fp32 masters of 16-bit parameters), which the parameter cannot restore.
+        """
+        index_of = self._user_indices()
+        state: dict[int, Any] = {}
+        masters: dict[int, Tensor] = {}
+        for entry in self._stages.values():
+            for p, master in zip(entry.params, entry.masters):
+                index = index_of[id(p)]
+                values = entry.optimizer.state.get(master)
+                if values:
+                    state[index] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in values.items()}
+                if master.dtype != p.dtype:
+                    masters[index] = master.detach().clone()
+        return {"state": state, "master_weights": masters}
+
+    def load_state_dict(self, state_dict: dict[str, dict[int, Any]]) -> None:
+        """Load the entries of this rank's parameters from a (full or partial) :meth:`state_dict`.
+
+        Entries of other parameters are ignored. Floating-point state is cast to the master's dtype
+        (as torch's optimizers cast to their parameter's), ``step`` is kept as saved. A master without a
+        saved value stays the copy of its (already restored) parameter.
+        """
+        index_of = self._user_indices()
+        saved_state = state_dict.get("state", {})
+        saved_masters = state_dict.get("master_weights", {})
+        for entry in self._stages.values():
+            for p, master in zip(entry.params, entry.masters):
+                index = index_of[id(p)]
+                if index in saved_masters:
+                    with torch.no_grad():
+                        master.copy_(saved_masters[index])
+                values = saved_state.get(index)
+                if values:
+                    entry.optimizer.state[master] = {k: _as_state(k, v, master) for k, v in values.items()}
+                else:
+                    entry.optimizer.state.pop(master, None)
 
     # --- one optimizer step ----------------------------------------------------------------------
 

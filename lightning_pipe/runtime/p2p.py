@@ -14,15 +14,19 @@ block ending in a linear layer outputs bfloat16 for real but float32 on meta), s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pipe.runtime.failures import PeerFailure
+
 ACTIVATION = 0
 GRADIENT = 1
 DTYPES = 2  # the dtype header of an activation message
 _KINDS = 3
+_KIND_NAMES = {ACTIVATION: "activations", GRADIENT: "gradients", DTYPES: "activation dtypes"}
 _MAX_LEAVES = 64
 _MAX_STAGES = 256
 
@@ -53,6 +57,9 @@ class PointToPoint:
             needed when the receiver's meta-device prediction of dtypes can be wrong: autocast).
         host_staging: copy device tensors to host memory before sending and received ones back to
             the device (gloo has no point-to-point for CUDA tensors; ranks sharing one GPU use it).
+        timeout: the longest any wait may take (the strategy's ``timeout``); None: the group's own.
+            A wait that fails or runs out raises :class:`~lightning_pipe.runtime.failures.PeerFailure`
+            naming the peer, its stage, the tensors and the microbatch.
     """
 
     group: dist.ProcessGroup | None = None
@@ -60,6 +67,8 @@ class PointToPoint:
     bytes_sent: int = 0
     send_dtypes: bool = False
     host_staging: bool = False
+    timeout: timedelta | None = None
+    _pending_peers: list[tuple[int, int, int, int]] = field(default_factory=list, repr=False)
 
     def send(self, tensors: list[Tensor], dst: int, kind: int, stage: int, microbatch: int) -> None:
         """Post asynchronous sends of ``tensors`` to global rank ``dst``."""
@@ -67,14 +76,38 @@ class PointToPoint:
             device = "cpu" if self.host_staging else tensors[0].device
             codes = torch.tensor([_DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int64, device=device)
             tag = message_tag(DTYPES, stage, microbatch, 0)
-            self.pending.append(dist.isend(codes, dst=dst, group=self.group, tag=tag))
+            self._post(codes, dst, tag, (dst, DTYPES, stage, microbatch))
         for leaf, tensor in enumerate(tensors):
             payload = tensor.detach().contiguous()
             if self.host_staging:
                 payload = payload.cpu()  # synchronous: the send may start at once
             self.bytes_sent += payload.numel() * payload.element_size()
             tag = message_tag(kind, stage, microbatch, leaf)
-            self.pending.append(dist.isend(payload, dst=dst, group=self.group, tag=tag))
+            self._post(payload, dst, tag, (dst, kind, stage, microbatch))
+
+    def _post(self, payload: Tensor, dst: int, tag: int, peer: tuple[int, int, int, int]) -> None:
+        try:
+            work = dist.isend(payload, dst=dst, group=self.group, tag=tag)
+        except RuntimeError as error:
+            self._fail(peer, receiving=False, error=error)
+        self.pending.append(work)
+        self._pending_peers.append(peer)
+
+    def _wait(self, work: dist.Work, peer: tuple[int, int, int, int], receiving: bool) -> None:
+        """Wait for one transfer, at most ``timeout``; a failure names the peer (PeerFailure)."""
+        try:
+            if self.timeout is not None:
+                work.wait(self.timeout)
+            else:
+                work.wait()
+        except RuntimeError as error:
+            self._fail(peer, receiving, error)
+
+    def _fail(self, peer: tuple[int, int, int, int], receiving: bool, error: RuntimeError):
+        rank, kind, stage, microbatch = peer
+        # the peer's stage: the sender's for receives (``stage``), the next or previous for sends
+        peer_stage = stage if receiving else stage + 1 if kind in (ACTIVATION, DTYPES) else stage - 1
+        raise PeerFailure(rank, peer_stage, _KIND_NAMES[kind], microbatch, receiving, self.timeout, error) from error
 
     def receive(
         self,
@@ -93,19 +126,30 @@ class PointToPoint:
         wire = torch.device("cpu") if self.host_staging else device
         if self.send_dtypes and kind == ACTIVATION and shapes:
             codes = torch.empty(len(shapes), dtype=torch.int64, device=wire)
-            dist.irecv(codes, src=src, group=self.group, tag=message_tag(DTYPES, stage, microbatch, 0)).wait()
+            peer = (src, DTYPES, stage, microbatch)
+            self._wait(self._irecv(codes, src, message_tag(DTYPES, stage, microbatch, 0), peer), peer, receiving=True)
             shapes = [(shape, _DTYPE_LIST[code]) for (shape, _), code in zip(shapes, codes.tolist(), strict=True)]
         buffers = [torch.empty(shape, dtype=dtype, device=wire) for shape, dtype in shapes]
+        peer = (src, kind, stage, microbatch)
         works = [
-            dist.irecv(buffer, src=src, group=self.group, tag=message_tag(kind, stage, microbatch, leaf))
+            self._irecv(buffer, src, message_tag(kind, stage, microbatch, leaf), peer)
             for leaf, buffer in enumerate(buffers)
         ]
         for work in works:
-            work.wait()
+            self._wait(work, peer, receiving=True)
         return [buffer.to(device) for buffer in buffers] if self.host_staging else buffers
 
+    def _irecv(self, buffer: Tensor, src: int, tag: int, peer: tuple[int, int, int, int]) -> dist.Work:
+        try:
+            return dist.irecv(buffer, src=src, group=self.group, tag=tag)
+        except RuntimeError as error:
+            self._fail(peer, receiving=True, error=error)
+
     def wait_sends(self) -> None:
-        """Block until every posted send completed (end of step)."""
-        for work in self.pending:
-            work.wait()
-        self.pending.clear()
+        """Block until every posted send completed (end of step), each at most ``timeout``."""
+        try:
+            for work, peer in zip(self.pending, self._pending_peers, strict=True):
+                self._wait(work, peer, receiving=False)
+        finally:
+            self.pending.clear()
+            self._pending_peers.clear()

@@ -6,6 +6,8 @@ A Lightning upgrade that renames one of these breaks this file and its test
 
 from __future__ import annotations
 
+import difflib
+import functools
 import io
 import os
 import tempfile
@@ -17,6 +19,7 @@ from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.trainer.states import TrainerFn
 
 if TYPE_CHECKING:
@@ -28,9 +31,46 @@ __all__ = [
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
     "fix_unbounded_epoch_description",
+    "install_strategy_name_hint",
     "peek_next_training_batch",
     "set_skip_backward",
 ]
+
+
+def install_strategy_name_hint(name: str) -> None:
+    """Add "did you mean" to Lightning's "invalid strategy name" error for near-misses of ``name``.
+
+    ``Trainer(strategy="elastic-pipe")`` (or ``"elasticpipe"``, ``"elastic_pipeline"``) otherwise ends in
+    Lightning's generic message listing ``auto, ddp, ddp_spawn, deepspeed, ...``. Registering the
+    misspellings as aliases would put them in Lightning's list of strategies; instead, Lightning's
+    configuration check (``_AcceleratorConnector._check_config_and_set_final_flags``, which raises the
+    error after recording the lowercased flag as ``_strategy_flag``) is wrapped to append the hint. Only
+    that error changes, and only while this package is imported (nothing can help before: Lightning has
+    no entry point for strategies).
+    """
+    original = _AcceleratorConnector._check_config_and_set_final_flags
+    if getattr(original, "_lightning_pipe_hint", None) == name:
+        return
+
+    @functools.wraps(original)
+    def check(self: _AcceleratorConnector, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except ValueError as error:
+            flag = getattr(self, "_strategy_flag", None)
+            if "invalid strategy name" not in str(error) or not isinstance(flag, str):
+                raise
+            normalized = flag.replace("-", "_").replace(" ", "_")
+            close = difflib.get_close_matches(normalized, [name, name + "line"], n=1, cutoff=0.75)
+            if normalized != name and not close:
+                raise
+            raise ValueError(
+                f"{error} Did you mean `strategy={name!r}` (lightning-pipe's pipeline strategy; Lightning's strategy "
+                "names are lowercase with underscores)?"
+            ) from None
+
+    check._lightning_pipe_hint = name  # type: ignore[attr-defined]
+    _AcceleratorConnector._check_config_and_set_final_flags = check  # type: ignore[method-assign]
 
 
 def set_skip_backward(trainer: pl.Trainer, skip: bool) -> None:

@@ -9,10 +9,12 @@ Everything is gathered on global rank 0, which writes one file (Lightning's own 
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.runtime import collectives
@@ -31,14 +33,24 @@ def _to_cpu(value: Any) -> Any:
 
 def _gather_on_rank_zero(strategy: ElasticPipelineStrategy, local: dict, order: list | None) -> dict:
     """Merge every stage's entries on global rank 0 (data-parallel replicas are identical: replica 0 only)."""
-    if strategy.layout.data_parallel_rank != 0:
-        return {}
-    parts = collectives.gather_objects(local, strategy.layout.pipeline_ranks()[0], strategy.groups.pipeline)
-    if strategy.global_rank != 0 or parts is None:
+    parts = _gather_parts(strategy, local)
+    if parts is None:
         return {}
     merged: dict = {}
     for part in parts:
         merged.update(part)
+    return _ordered(merged, order)
+
+
+def _gather_parts(strategy: ElasticPipelineStrategy, local: Any) -> list | None:
+    """Every pipeline rank's ``local`` on global rank 0 (a collective of replica 0); None elsewhere."""
+    if strategy.layout.data_parallel_rank != 0:
+        return None
+    parts = collectives.gather_objects(local, strategy.layout.pipeline_ranks()[0], strategy.groups.pipeline)
+    return parts if strategy.global_rank == 0 else None
+
+
+def _ordered(merged: dict, order: list | None) -> dict:
     keys = order if order is not None else sorted(merged)
     return {k: merged[k] for k in keys if k in merged}
 
@@ -51,20 +63,86 @@ def full_module_state(strategy: ElasticPipelineStrategy) -> dict[str, Any]:
 
 
 def full_optimizer_state(strategy: ElasticPipelineStrategy, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's whole state dict on global rank 0 (a collective; empty on other ranks)."""
+    """The optimizer's whole state dict on global rank 0 (a collective; empty on other ranks).
+
+    With ``optimizer_offload=True`` the state lives in the per-stage host optimizers, not in
+    ``optimizer``: their entries are saved under the user optimizer's indices, and host master weights
+    wider than their parameters (fp32 masters of 16-bit parameters) under ``"master_weights"`` (a key
+    torch's ``Optimizer.load_state_dict`` ignores, so the file still loads into a plain optimizer).
+    """
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer.optimizer
     state = optimizer.state_dict()
     local = {index: _to_cpu(value) for index, value in state["state"].items()}
-    merged = _gather_on_rank_zero(strategy, local, order=None)
-    return {"state": merged, "param_groups": state["param_groups"]} if strategy.global_rank == 0 else {}
+    masters: dict[int, Tensor] = {}
+    offloaded = strategy.memory.offloaded_optimizer_state(optimizer)
+    if offloaded is not None:
+        local.update({index: _to_cpu(value) for index, value in offloaded["state"].items()})
+        masters = {index: _to_cpu(value) for index, value in offloaded["master_weights"].items()}
+    parts = _gather_parts(strategy, (local, masters))
+    if parts is None:
+        return {}
+    merged_state: dict = {}
+    merged_masters: dict = {}
+    for part_state, part_masters in parts:
+        merged_state.update(part_state)
+        merged_masters.update(part_masters)
+    full = {"state": _ordered(merged_state, None), "param_groups": state["param_groups"]}
+    if merged_masters:
+        full["master_weights"] = _ordered(merged_masters, None)
+    return full
 
 
-def load_owned_optimizer_states(optimizers: list[Optimizer], states: list[dict[str, Any]]) -> None:
-    """Load full optimizer states, keeping only the entries of parameters this rank holds."""
-    for optimizer, state in zip(optimizers, states, strict=True):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        owned = {i for i, p in enumerate(params) if p.device.type != "meta"}
-        optimizer.load_state_dict(
-            {"state": {i: v for i, v in state["state"].items() if i in owned}, "param_groups": state["param_groups"]}
-        )
+def _owned_indices(optimizer: Optimizer) -> set[int]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i for i, p in enumerate(params) if p.device.type != "meta"}
+
+
+def load_owned_optimizer_states(strategy: ElasticPipelineStrategy, states: list[dict[str, Any]]) -> None:
+    """Load full optimizer states, keeping only the entries of parameters this rank holds.
+
+    With ``optimizer_offload=True`` the user's optimizer gets the hyperparameters only; the entries
+    (and saved master weights) go to the host optimizers (``StrategyMemory.load_offloaded_optimizer_state``).
+    """
+    for optimizer, state in zip(strategy.optimizers, states, strict=True):
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        owned = _owned_indices(optimizer)
+        entries = {i: v for i, v in state["state"].items() if i in owned}
+        if strategy.memory.optimizer_offload:
+            masters = {i: v for i, v in state.get("master_weights", {}).items() if i in owned}
+            strategy.memory.load_offloaded_optimizer_state({"state": entries, "master_weights": masters})
+            entries = {}
+        optimizer.load_state_dict({"state": entries, "param_groups": state["param_groups"]})
+
+
+def load_module_state(module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+    """Load a full state dict into a sharded module: real tensors are copied, meta ones (units other
+    ranks hold) are skipped without torch's per-parameter "copying ... to a meta parameter ... is a
+    no-op" warning (nothing a user can act on: 52 lines at pp=2). Missing and unexpected keys are
+    checked against the whole module, as ``strict`` says."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta")
+        module.load_state_dict(state, strict=strict)
+
+
+# Optimizers that re-evaluate the loss inside ``step`` or treat all parameters as one flat vector.
+_CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+def check_optimizers(optimizers: list[Optimizer], strategy_name: str) -> None:
+    """Refuse optimizers the pipeline cannot run, before the first update.
+
+    Raises:
+        ValueError: ``torch.optim.LBFGS`` (or a subclass): it calls the closure several times per
+            step and flattens every parameter into one vector, while each rank holds only its stages'
+            parameters (the others are on the meta device).
+    """
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(optimizer, _CLOSURE_OPTIMIZERS):
+            raise ValueError(
+                f"`{type(optimizer).__name__}` is not supported by `{strategy_name}`: it re-evaluates the closure "
+                "several times per step and works on all parameters as one flat vector, while each pipeline rank "
+                "runs the forward and backward once per step and holds only its own stages' parameters. Use a "
+                "first-order optimizer (SGD, Adam, AdamW, ...) in `configure_optimizers`, or train on one device."
+            )

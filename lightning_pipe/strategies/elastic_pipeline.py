@@ -41,6 +41,7 @@ from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.model.metrics import MetricStates
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.loss_weights import (
@@ -205,8 +206,17 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Always distributed: tells Lightning to shard data with a distributed sampler."""
-        return True
+        """Whether Lightning shards the training data with a ``DistributedSampler``: only with several
+        data-parallel replicas (then exactly as under DDP).
+
+        Lightning gives the training loader of every distributed strategy a *shuffling* sampler,
+        whatever the loader's ``shuffle`` says (``_process_dataloader``). With one replica, every rank
+        of the pipeline must read the user's loader as it is, so that the run sees the batches a
+        one-device run sees: answering False here keeps Lightning's hands off the loader. (Lightning
+        reads this attribute only for the sampler rule, ``self.log(sync_dist=...)``, which spans the
+        data-parallel replicas here anyway, and the tuner's refusal of distributed runs.)
+        """
+        return self.layout.data_parallel_size > 1
 
     @property
     def pipeline_parallel_size(self) -> int:
@@ -269,7 +279,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
-        self.groups = create_process_groups(self.layout)
+        self.groups = create_process_groups(self.layout, timeout=self._timeout)
 
     @property
     def process_group_backend(self) -> str:
@@ -290,6 +300,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._shard(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            checkpointing.check_optimizers(self.optimizers, type(self).__name__)
             compat.set_skip_backward(trainer, True)
             compat.fix_unbounded_epoch_description(trainer)
         self.setup_precision_plugin()
@@ -367,6 +378,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 send_dtypes=isinstance(self.precision_plugin, MixedPrecision),
                 # gloo has no point-to-point for CUDA tensors: they travel through host memory
                 host_staging=self.process_group_backend == "gloo" and self.root_device.type == "cuda",
+                timeout=self._timeout,
             ),
             self.layout.pipeline_ranks(),
             self.layout.pipeline_rank,
@@ -630,7 +642,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
             finally:
                 self.metric_states.forget_outputs()
         if self.pipeline_parallel_size > 1:
-            payload = collectives.broadcast_object(payload, last_rank, self.groups.pipeline)
+            payload = collectives.broadcast_object(
+                payload, last_rank, self.groups.pipeline,
+                operation=f"the broadcast of the step's loss and logs from rank {last_rank} (the last stage)",
+            )
         loss, logs, normalizer, metric_updates, error = payload
         if error is not None:
             raise error
@@ -704,7 +719,18 @@ class ElasticPipelineStrategy(ParallelStrategy):
         optimizer steps nothing.
         """
 
+        calls = 0
+
         def closure_then_synchronize() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:  # before it runs the pipelined step a second time
+                name = type(getattr(optimizer, "optimizer", optimizer)).__name__
+                raise RuntimeError(
+                    f"`{name}.step` called its closure a second time in one step: `{type(self).__name__}` runs the "
+                    "pipelined forward and backward once per optimizer step and does not support optimizers that "
+                    "re-evaluate the loss. Use a first-order optimizer (SGD, Adam, ...)."
+                )
             result = closure()
             self._synchronize_gradients(optimizer)
             return result
@@ -723,7 +749,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if self._tied and self.groups.ends is not None:
             collectives.sum_tied_gradients(self._tied, self.groups.ends)
         collectives.average_gradients(
-            self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size
+            self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size,
+            operation=f"the gradient average of stages {list(self.spans)} over data-parallel replicas",
         )
 
     def _global_gradient_norm(self, grads: list[Tensor]) -> Tensor:
@@ -739,14 +766,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
-            torch.distributed.barrier()
+            with naming_failures(f"Lightning's barrier {name or ''}".rstrip(), None):
+                torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
+        with naming_failures(f"Lightning's broadcast from rank {src}", None):
+            torch.distributed.broadcast_object_list(box, src)
         return box[0]
 
     @override
@@ -756,7 +785,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if not _distributed_is_initialized():
             return decision
         votes = torch.tensor(int(decision), device=self.root_device)
-        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
+        with naming_failures("Lightning's vote of every process (reduce_boolean_decision)", None):
+            torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
         return bool(votes == self.world_size) if all else bool(votes > 0)
 
     @override
@@ -766,9 +796,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return tensor
         from lightning.fabric.utilities.distributed import _sync_ddp
 
-        return _sync_ddp(tensor, group=group or self.groups.data_parallel, reduce_op=reduce_op)
+        group = group or self.groups.data_parallel
+        with naming_failures("a reduction of logged values over data-parallel replicas", group):
+            return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
 
     # --- checkpoints (see checkpointing.py) ----------------------------------------------------
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Copy the checkpoint's tensors into the units this rank holds (the rest stay on meta, silently)."""
+        checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -782,8 +819,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Load each optimizer's state, keeping only the entries of parameters this rank owns."""
-        checkpointing.load_owned_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
+        """Load each optimizer's state, keeping only the entries of parameters this rank owns (into the
+        host optimizers with ``optimizer_offload=True``)."""
+        checkpointing.load_owned_optimizer_states(self, checkpoint["optimizer_states"])
 
     @override
     def teardown(self) -> None:

@@ -45,6 +45,7 @@ from lightning_pipe.runtime.memory_profile import (
     probe_microbatches,
     sequence_lengths,
 )
+from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.schedules.ir import ActionType, Program
 
@@ -89,7 +90,10 @@ class StrategyMemory:
         planning_margin: float = 0.05,
         optimizer_offload: bool = False,
     ) -> None:
-        self.budget: int | None = None if memory_budget is None else parse_size(memory_budget)
+        try:
+            self.budget: int | None = None if memory_budget is None else parse_size(memory_budget)
+        except ValueError as error:
+            raise ValueError(f"`memory_budget={memory_budget!r}`: {error}") from None
         self.auto = recompute == "auto"
         if self.auto and self.budget is None:
             raise ValueError("`recompute='auto'` chooses a plan under `memory_budget`: set `memory_budget` (e.g. '40GiB').")
@@ -120,6 +124,7 @@ class StrategyMemory:
         self.grad_scaler: torch.amp.GradScaler | None = None  # 16-mixed with optimizer offload
         self.step_loss_scale: float | None = None  # the loss scale of the running step (None: unscaled)
         self.last_overflow = False  # whether the last offloaded step was undone for a non-finite gradient
+        self._loaded_optimizer_state: dict | None = None  # from a checkpoint, until the host optimizers exist
 
     # --- wiring ----------------------------------------------------------------------------------
 
@@ -216,8 +221,34 @@ class StrategyMemory:
         if self.stage_optimizers is None:
             self.stage_optimizers = StageOptimizers(self._single_optimizer(), self._stage_parameters())
             self._offload_layout = (tuple(strategy.boundaries), strategy.program.stage_to_rank)
+            if self._loaded_optimizer_state is not None:  # resumed: the checkpoint's state goes to the host
+                self.stage_optimizers.load_state_dict(self._loaded_optimizer_state)
+                self._loaded_optimizer_state = None
         self.step_loss_scale = self._current_loss_scale()
         self.stage_optimizers.start_step(self._step_microbatches, loss_scale=self.step_loss_scale)
+
+    def offloaded_optimizer_state(self, optimizer: Optimizer) -> dict[str, dict[int, Any]] | None:
+        """This rank's host-side state of ``optimizer`` for a checkpoint, or None if it is not offloaded.
+
+        ``{"state": {index: state}, "master_weights": {index: master}}`` numbered like ``optimizer``
+        (see :meth:`StageOptimizers.state_dict`). Before the first step of a resumed run, the state
+        loaded from the checkpoint (not yet on the host optimizers, which the first step creates).
+        """
+        if not self.optimizer_offload:
+            return None
+        if self.stage_optimizers is not None and self.stage_optimizers.user_optimizer is optimizer:
+            return self.stage_optimizers.state_dict()
+        if self._loaded_optimizer_state is not None:
+            return self._loaded_optimizer_state
+        return None
+
+    def load_offloaded_optimizer_state(self, state: dict[str, dict[int, Any]]) -> None:
+        """Give the host optimizers the checkpoint's entries of this rank's parameters (now, or when the
+        first step creates them), so a resumed run continues with the saved moments and masters."""
+        if self.stage_optimizers is not None:
+            self.stage_optimizers.load_state_dict(state)
+        else:
+            self._loaded_optimizer_state = state
 
     def _current_loss_scale(self) -> float | None:
         """The gradient scaler's scale for this step (None without an enabled scaler).
@@ -240,7 +271,8 @@ class StrategyMemory:
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return overflow
         flag = torch.tensor(float(overflow), device=self._strategy.root_device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        with naming_failures("the agreement on a gradient overflow (16-mixed)", None):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
     def _update_loss_scale(self, overflow: bool) -> None:

@@ -13,12 +13,12 @@ from lightning_pipe.strategies.costs import estimate_costs
 from tests.helpers.callbacks import RecordPlans, read_plans
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import (
-    SEED,
     START_METHOD,
     assert_same_parameters,
     fit,
     logged,
     reference_batches,
+    replica_order,
     token_batches,
 )
 
@@ -28,7 +28,7 @@ VOCAB = 1024  # a head worth a few blocks on short batches and less on long ones
 def _alternating_batches(num: int, data_parallel: int, short: int = 6, long: int = 60) -> list:
     """Short and long steps in turn; replicas of one step get batches of one length (the reference
     run concatenates them), whatever order the distributed sampler draws."""
-    order = torch.randperm(num, generator=torch.Generator().manual_seed(SEED)).tolist()
+    order = replica_order(num, data_parallel)
     lengths = [0] * num
     for position, index in enumerate(order):
         lengths[index] = short if (position // data_parallel) % 2 == 0 else long

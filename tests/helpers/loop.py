@@ -1,10 +1,10 @@
 """Helpers for tests of Lightning's loop features under the pipeline strategy.
 
-The single-process references read the data in the order a distributed run does: Lightning gives
-the training loader of a distributed run a shuffling ``DistributedSampler`` seeded by
-``seed_everything`` and re-seeded every epoch (``set_epoch``); :func:`loader` with ``shuffle=True``
-builds that loader for one replica, so runs that span epochs or resume from a checkpoint compare
-step by step.
+The single-process references read the data in the order the pipelined run does: with one
+data-parallel replica, the loader as it is; with several, Lightning's shuffling ``DistributedSampler``
+(seeded by ``seed_everything``, re-seeded every epoch with ``set_epoch``), whose steps
+:func:`replica_loader` replays for one process, so runs that span epochs or resume from a
+checkpoint compare step by step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.models import TinyGPT
-from tests.helpers.training import SEED, START_METHOD, BatchDataset
+from tests.helpers.training import SEED, START_METHOD, BatchDataset, _merge
 
 
 class ScheduledGPT(TinyGPT):
@@ -42,10 +42,26 @@ def pipeline(pp: int, microbatches: int = 4, schedule: str = "1f1b", **kwargs: A
 
 
 def loader(batches: list, shuffle: bool = False) -> DataLoader:
-    """A loader of whole batches; ``shuffle``: in the order one replica of a distributed run reads them."""
+    """A loader of whole batches, in order.
+
+    ``shuffle`` is kept for tests written when a one-replica pipeline was given Lightning's shuffling
+    sampler; it now reads the loader as it is, so the reference reads in order too (see
+    :func:`replica_loader` for several replicas).
+    """
+    return replica_loader(batches, 1)
+
+
+def replica_loader(batches: list, data_parallel: int) -> DataLoader:
+    """What one process must read to match ``data_parallel`` replicas of a pipelined run, every epoch.
+
+    One replica: the batches in order. Several: each step concatenates the replicas' batches of that
+    step, in the order of the ``DistributedSampler`` Lightning gives them (re-seeded every epoch).
+    """
     dataset = BatchDataset(batches)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED) if shuffle else None
-    return DataLoader(dataset, batch_size=None, sampler=sampler)
+    if data_parallel == 1:
+        return DataLoader(dataset, batch_size=None)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    return DataLoader(dataset, batch_size=data_parallel, sampler=sampler, collate_fn=_merge)
 
 
 def run(
@@ -61,8 +77,8 @@ def run(
 ) -> tuple[L.LightningModule, L.Trainer, Any]:
     """Seed, build the module and a CPU Trainer, and call ``trainer.<method>``.
 
-    Lists of batches become plain loaders (single-process references of training data should pass
-    ``loader(batches, shuffle=True)``). Returns the module (whole, in this process), the trainer and
+    Lists of batches become plain loaders (single-process references of data-parallel runs should
+    pass ``replica_loader(batches, data_parallel)``). Returns the module (whole, in this process), the trainer and
     what the trainer call returned.
     """
     L.seed_everything(SEED, verbose=False)

@@ -39,25 +39,35 @@ SEED = 1234
 START_METHOD = "fork"
 
 
-def reference_batches(batches: list, data_parallel: int, seed: int = SEED) -> list:
-    """What one process must see to match ``data_parallel`` replicas of a distributed run.
+def replica_order(num_batches: int, data_parallel: int, seed: int = SEED, epoch: int = 0) -> list[int]:
+    """The order in which ``data_parallel`` replicas of a pipelined run read a loader of ``num_batches``.
 
-    Lightning always gives the training loader of a distributed run a shuffling
-    ``DistributedSampler`` (seeded by ``seed_everything``); replica ``r`` takes every
-    ``data_parallel``-th index of the permutation. Step ``k`` of the single process gets the
-    replicas' batches of step ``k`` concatenated.
+    One replica reads the user's loader as it is (the strategy keeps Lightning's sampler rule away
+    from it). Several replicas get Lightning's shuffling ``DistributedSampler``, as under DDP
+    (seeded by ``seed_everything``, re-seeded per epoch): replica ``r`` takes every
+    ``data_parallel``-th index of the permutation, so step ``k`` reads ``order[k*dp : (k+1)*dp]``.
     """
-    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
-    merged = []
-    for i in range(0, len(order), data_parallel):
-        group = [batches[j] for j in order[i : i + data_parallel]]
-        if len(group) == 1:  # one replica: the batch as it is (any structure)
-            merged.append(group[0])
-        elif isinstance(group[0], dict):
-            merged.append({k: torch.cat([b[k] for b in group]) for k in group[0]})
-        else:
-            merged.append(torch.cat(group))
-    return merged
+    if data_parallel == 1:
+        return list(range(num_batches))
+    return torch.randperm(num_batches, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def reference_batches(batches: list, data_parallel: int, seed: int = SEED) -> list:
+    """What one process must see (first epoch) to match ``data_parallel`` replicas of a pipelined run.
+
+    With one replica, the batches in order. With several, step ``k`` of the single process gets the
+    replicas' batches of step ``k`` concatenated (see :func:`replica_order`).
+    """
+    order = replica_order(len(batches), data_parallel, seed)
+    return [_merge([batches[j] for j in order[i : i + data_parallel]]) for i in range(0, len(order), data_parallel)]
+
+
+def _merge(group: list) -> Any:
+    if len(group) == 1:
+        return group[0]
+    if isinstance(group[0], dict):
+        return {k: torch.cat([b[k] for b in group]) for k in group[0]}
+    return torch.cat(group)
 
 
 def fit(

@@ -2,7 +2,7 @@
 
 One epoch is two steps and checkpoints are written after every second step: a checkpoint after
 the last batch of epoch 0 resumes at the start of epoch 1, where the pipelined runs and the
-single-process references read the same (re-shuffled) batches. (Lightning does not fast-forward
+single-process references read the same batches. (Lightning does not fast-forward
 a plain loader when resuming mid-epoch, nor resume exactly from a checkpoint written at
 ``on_train_epoch_end``, even on one device; neither is the pipeline's business.)
 """
@@ -71,8 +71,8 @@ def saved(tmp_path_factory) -> dict:
     """A pp=2 run of two steps that checkpoints, and the single-process references of 2 and 4 steps."""
     root = tmp_path_factory.mktemp("checkpoints")
     pipelined, _, _ = run(make, BATCHES, pipeline(2), devices=2, max_steps=2, callbacks=[every_two_steps(root / "pp2")])
-    run(make, loader(BATCHES, shuffle=True), max_steps=2, callbacks=[every_two_steps(root / "ref2")])
-    reference, trainer, _ = run(make, loader(BATCHES, shuffle=True), max_steps=4, callbacks=[every_two_steps(root / "ref4")])
+    run(make, loader(BATCHES), max_steps=2, callbacks=[every_two_steps(root / "ref2")])
+    reference, trainer, _ = run(make, loader(BATCHES), max_steps=4, callbacks=[every_two_steps(root / "ref4")])
     return {
         "path": _checkpoint(root / "pp2"),
         "pipelined": pipelined,
@@ -95,7 +95,7 @@ def test_checkpoint_is_one_complete_file(saved):
 
 
 def test_checkpoint_resumes_exactly_on_one_device(saved):
-    resumed, trainer, _ = run(make, loader(BATCHES, shuffle=True), max_steps=4, ckpt_path=saved["path"])
+    resumed, trainer, _ = run(make, loader(BATCHES), max_steps=4, ckpt_path=saved["path"])
     assert_same_parameters(resumed, saved["reference4"], atol=1e-10)
     assert trainer.lr_scheduler_configs[0].scheduler.state_dict() == saved["scheduler4"]
     assert saved["scheduler4"]["last_epoch"] == 4

@@ -89,3 +89,16 @@ def test_rich_bar_without_epoch_limit_shows_the_epoch_alone():
     assert bar._get_train_description(0).strip() == "Epoch 0"
     trainer.fit_loop.max_epochs = 3
     assert bar._get_train_description(0).strip() == "Epoch 0/2"
+def test_strategy_name_hint_wraps_lightnings_configuration_check():
+    """The hint relies on `_AcceleratorConnector._check_config_and_set_final_flags` raising the
+    "invalid strategy name" ValueError after recording the lowercased flag as `_strategy_flag`."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    import lightning_pipe  # noqa: F401  (installs the hint)
+
+    compat.install_strategy_name_hint("elastic_pipe")  # idempotent
+    check = _AcceleratorConnector._check_config_and_set_final_flags
+    assert check._lightning_pipe_hint == "elastic_pipe"
+    with pytest.raises(ValueError, match="invalid strategy name.*Did you mean") as error:
+        L.Trainer(strategy="ELASTIC-PIPE", accelerator="cpu", devices=1, logger=False)
+    assert "`strategy='elastic-pipe'`" in str(error.value)  # Lightning lowercased the flag first

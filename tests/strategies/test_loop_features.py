@@ -56,7 +56,7 @@ def test_scheduler_validation_early_stopping_checkpoint_and_loggers(tmp_path):
         )
 
     pipelined, trainer, _ = run(make, train, pipeline(2), devices=2, **trainer_args(tmp_path / "pipe"))
-    reference, ref_trainer, _ = run(make, loader(train, shuffle=True), **trainer_args(tmp_path / "ref"))
+    reference, ref_trainer, _ = run(make, loader(train), **trainer_args(tmp_path / "ref"))
 
     assert_same_parameters(pipelined, reference, atol=1e-10)
     # every rank saw the same validations (sanity check included) and stopped at the same step as one process
@@ -135,8 +135,8 @@ def test_global_norm_clipping_accumulation_and_tied_embeddings_pp2():
     settings = dict(max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05)
 
     pipelined, _, _ = run(make, batches, pipeline(2), devices=2, **settings)
-    reference, _, _ = run(make, loader(batches, shuffle=True), **settings)
-    unclipped, _, _ = run(make, loader(batches, shuffle=True), max_steps=2, accumulate_grad_batches=2)
+    reference, _, _ = run(make, loader(batches), **settings)
+    unclipped, _, _ = run(make, loader(batches), max_steps=2, accumulate_grad_batches=2)
 
     assert_same_parameters(pipelined, reference, atol=1e-10)
     assert pipelined.head.weight is pipelined.wte.weight
@@ -171,8 +171,8 @@ def test_value_clipping_tied_embeddings_and_memory_per_rank_pp4(tmp_path):
     settings = dict(max_steps=2, gradient_clip_val=2e-3, gradient_clip_algorithm="value")
 
     pipelined, _, _ = run(make, batches, pipeline(4, schedule="gpipe"), devices=4, callbacks=[MemoryProbe(tmp_path)], **settings)
-    reference, _, _ = run(make, loader(batches, shuffle=True), **settings)
-    unclipped, _, _ = run(make, loader(batches, shuffle=True), max_steps=2)
+    reference, _, _ = run(make, loader(batches), **settings)
+    unclipped, _, _ = run(make, loader(batches), max_steps=2)
 
     assert_same_parameters(pipelined, reference, atol=1e-10)
     assert (reference.wte.weight - unclipped.wte.weight).abs().max() > 1e-4
@@ -202,7 +202,7 @@ def test_32_true_parity_with_fast_dev_run():
     settings = dict(val=val, precision="32-true", fast_dev_run=2)
 
     pipelined, trainer, _ = run(make, train, pipeline(2), devices=2, **settings)
-    reference, ref_trainer, _ = run(make, loader(train, shuffle=True), **settings)
+    reference, ref_trainer, _ = run(make, loader(train), **settings)
 
     assert pipelined.wte.weight.dtype == torch.float32
     assert_same_parameters(pipelined, reference, atol=1e-5)
