@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -124,25 +123,3 @@ def load_module_state(module: nn.Module, state: dict[str, Tensor], strict: bool 
         warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta")
         module.load_state_dict(state, strict=strict)
 
-
-# Optimizers that re-evaluate the loss inside ``step`` or treat all parameters as one flat vector.
-_CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
-
-
-def check_optimizers(optimizers: list[Optimizer], strategy_name: str) -> None:
-    """Refuse optimizers the pipeline cannot run, before the first update.
-
-    Raises:
-        ValueError: ``torch.optim.LBFGS`` (or a subclass): it calls the closure several times per
-            step and flattens every parameter into one vector, while each rank holds only its stages'
-            parameters (the others are on the meta device).
-    """
-    for optimizer in optimizers:
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        if isinstance(optimizer, _CLOSURE_OPTIMIZERS):
-            raise ValueError(
-                f"`{type(optimizer).__name__}` is not supported by `{strategy_name}`: it re-evaluates the closure "
-                "several times per step and works on all parameters as one flat vector, while each pipeline rank "
-                "runs the forward and backward once per step and holds only its own stages' parameters. Use a "
-                "first-order optimizer (SGD, Adam, AdamW, ...) in `configure_optimizers`, or train on one device."
-            )

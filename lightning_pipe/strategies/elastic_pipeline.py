@@ -60,6 +60,7 @@ from lightning_pipe.strategies import checkpointing
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
+from lightning_pipe.strategies.optimizer_checks import check_optimizers
 from lightning_pipe.strategies.precision import install_global_norm_clipping
 
 log = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._shard(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            checkpointing.check_optimizers(self.optimizers, type(self).__name__)
+            check_optimizers(self.optimizers, type(self).__name__)
             compat.set_skip_backward(trainer, True)
             compat.fix_unbounded_epoch_description(trainer)
         self.setup_precision_plugin()
