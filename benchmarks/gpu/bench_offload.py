@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench_overhead import Repeat, StepTimer, make_batch, make_model  # noqa: E402
-from lightning_pipe import ElasticPipelineStrategy  # noqa: E402
+from benchmarks.gpu.bench_overhead import Repeat, StepTimer, make_batch, make_model
+from lightning_pipe import ElasticPipelineStrategy
 
 
 class Measure(StepTimer):
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             offload_s.append(offloaded)
         rows.append({"blocks": k, "plain_s": statistics.median(plain_s), "offload_s": statistics.median(offload_s),
                      "ratio": statistics.median(ratios), "ratios": ratios, "bytes_per_step": moved,
-                     "transfer_s_each_way": moved / bandwidth if bandwidth == bandwidth else float("nan")})
+                     "transfer_s_each_way": moved / bandwidth})
     results["activation_offload"] = rows
     print("| offloaded blocks (of the stage) | no offload ms | offload ms | median ratio (pairs) | GiB moved per step | transfer ms each way |")
     print("|---|---|---|---|---|---|")

@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader, Dataset
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from examples.gpt.model import GPT  # noqa: E402
-from lightning_pipe import ElasticPipelineStrategy  # noqa: E402
+from examples.gpt.model import GPT
+from lightning_pipe import ElasticPipelineStrategy
 
 
 class Repeat(Dataset):
@@ -110,7 +110,6 @@ def hand_loop(args, device: torch.device, profile: bool = False) -> tuple[list[f
         if i >= args.warmup:
             seconds.append(time.perf_counter() - start)
     busy = busy_fraction(step, device) if profile else float("nan")
-    del model, optimizer
     return seconds, busy
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,10 +33,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from examples.gpt.model import Block  # noqa: E402
-from lightning_pipe.planning import gpt as gpt_models  # noqa: E402
-from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape  # noqa: E402
-from lightning_pipe.planning.fit import fit_linear_cost  # noqa: E402
+from examples.gpt.model import Block
+from lightning_pipe.planning import gpt as gpt_models
+from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
+from lightning_pipe.planning.fit import fit_linear_cost
 
 SIZES = {  # name: (hidden, heads, vocab, layers, analytic model)
     "gpt_1_3b": (2048, 16, 50257, 24, gpt_models.gpt_1_3b),
@@ -61,7 +62,7 @@ class Head(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def saved_bytes(run) -> tuple[object, int]:
+def saved_bytes(run, *inputs) -> tuple[object, int]:
     """Run ``run()`` and count the bytes autograd saves for backward (parameters excluded)."""
     storages: dict[int, int] = {}
 
@@ -72,7 +73,7 @@ def saved_bytes(run) -> tuple[object, int]:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
+        out = run(*inputs)
     return out, sum(storages.values())
 
 
@@ -87,7 +88,7 @@ def time_forward_backward(module: nn.Module, make_inputs, repeats: int) -> tuple
         torch.cuda.reset_peak_memory_stats()
         start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
-        out, kept = saved_bytes(lambda: module(*inputs))
+        out, kept = saved_bytes(module, *inputs)
         middle.record()
         loss = out if out.dim() == 0 else out.float().square().mean()
         loss.backward()
@@ -103,6 +104,14 @@ def time_forward_backward(module: nn.Module, make_inputs, repeats: int) -> tuple
     return forward_times[len(forward_times) // 2], backward_times[len(backward_times) // 2], kept, peak
 
 
+def _inputs(unit: str, sequences: int, length: int, hidden: int, vocab: int, device: torch.device) -> tuple:
+    """A microbatch for ``unit``: hidden states (and, for the head, targets)."""
+    x = torch.randn(sequences, length, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    if unit == "block":
+        return (x,)
+    return (x, torch.randint(0, vocab, (sequences, length), device=device))
+
+
 def profile_size(name: str, repeats: int, max_tokens: int) -> dict:
     hidden, heads, vocab, layers, analytic = SIZES[name]
     device = torch.device("cuda")
@@ -114,12 +123,7 @@ def profile_size(name: str, repeats: int, max_tokens: int) -> dict:
             if sequences * length > max_tokens:
                 continue
 
-            def make_inputs():
-                x = torch.randn(sequences, length, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-                if unit == "block":
-                    return (x,)
-                return (x, torch.randint(0, vocab, (sequences, length), device=device))
-
+            make_inputs = partial(_inputs, unit, sequences, length, hidden, vocab, device)
             fwd, bwd, kept, peak = time_forward_backward(module, make_inputs, repeats)
             samples[unit].append(
                 {"sequences": sequences, "length": length, "forward_s": fwd, "backward_s": bwd,

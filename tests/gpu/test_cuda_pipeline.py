@@ -61,7 +61,7 @@ def test_float32_parity_within_rounding(tmp_path):
     SGD with momentum, not AdamW: Adam's first steps move every parameter by about ``lr`` whatever
     its gradient's size, so a gradient that is rounding noise would turn into an ``lr``-sized
     difference and say nothing about the pipeline."""
-    make = lambda: TinyGPT(layers=4, optimizer="sgd")  # noqa: E731
+    make = lambda: TinyGPT(layers=4, optimizer="sgd")
     pipelined, reference = _pair(tmp_path, make, _pipeline(), precision="32-true")
     difference = max_parameter_difference(pipelined, reference)
     record("float32 parity 1f1b, max |param diff| after 3 SGD steps (lr 1e-2, momentum 0.9)", difference)
@@ -82,7 +82,7 @@ def test_bf16_mixed_loss_curve(tmp_path):
 
 def test_activation_offload_and_recompute_are_bit_exact(tmp_path):
     """Saved activations through pinned host buffers on a side stream, and recompute, change nothing."""
-    make = lambda: TinyGPT(layers=4).double()  # noqa: E731  (float64: deterministic attention kernels)
+    make = lambda: TinyGPT(layers=4).double()
     plain = fit(make, BATCHES, _pipeline(), devices=1, accelerator=DEVICE, steps=STEPS)
     offloaded = fit(make, BATCHES, _pipeline(offload=True), devices=1, accelerator=DEVICE, steps=STEPS)
     recomputed = fit(make, BATCHES, _pipeline(recompute="full", offload=1), devices=1, accelerator=DEVICE, steps=STEPS)

@@ -50,7 +50,7 @@ def _split_and_full(module, make_inputs, grads):
     for got, want in zip(input_grads, [t for t in ref_inputs if t.is_floating_point()]):
         assert (got is None) == (want.grad is None) and (got is None or torch.equal(got, want.grad))
     for (name, p), q in zip(module.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
     return flops_i.get_total_flops(), flops_w.get_total_flops(), flops_full.get_total_flops()
 
 

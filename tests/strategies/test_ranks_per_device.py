@@ -11,7 +11,7 @@ from tests.helpers.training import START_METHOD, assert_same_parameters, fit, re
 
 def test_two_ranks_on_one_device_keep_parity(tmp_path):
     batches = token_batches(3, batch_size=4, lengths=[9, 5, 13])
-    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    make = lambda: TinyGPT(layers=4).double()
     strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, start_method=START_METHOD, ranks_per_device=2)
     pipelined = fit(make, batches, strategy, devices=1, steps=3)
     reference = fit(make, reference_batches(batches, 1), steps=3)
