@@ -13,8 +13,10 @@ torch-function mode, active outside the blocks this rank runs) gives every opera
   returns a *placeholder*: a real tensor of zeros of that shape and dtype on the real device, never
   computed from anything; only meta tensors in: the result stays meta (a parameter's ``.T``
   allocates nothing);
-* an operation on placeholders runs for real on the zeros, and its results are placeholders too;
-  value-independent factories (``zeros_like``, ``new_empty``, ...) give clean tensors.
+* an operation on placeholders does the same: nothing is computed from a placeholder (no random
+  numbers drawn, no running statistics updated), its results are placeholders too;
+  value-independent factories (``zeros_like``, ``new_empty``, ...) give clean tensors, and ``.to``
+  moves a placeholder where asked.
 
 Every placeholder and every derived meta tensor carries its *sources*: the parameters and block
 outputs it was derived from (``("param", name)``, ``("block", index)``, and ``("inside", index)`` for
@@ -171,11 +173,7 @@ class PlaceholderMode(TorchFunctionMode):
             return self._read(func, args, kwargs, sources)
         if func in _VALUE_FREE:
             return func(*tree_map(self._stand_in, args), **tree_map(self._stand_in, kwargs))
-        if any(t.is_meta for t in leaves):
-            return self._on_meta(func, args, kwargs, leaves, sources)
-        result = func(*args, **kwargs)
-        self._tag_results(func, args, result, sources)
-        return result
+        return self._on_meta(func, args, kwargs, leaves, sources)
 
     def _real_devices(self, func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``device="meta"`` and ``.to(meta_tensor)`` on real tensors mean this rank's device."""
@@ -198,7 +196,14 @@ class PlaceholderMode(TorchFunctionMode):
         return value
 
     def _on_meta(self, func, args: tuple, kwargs: dict, leaves: list[Tensor], sources: frozenset) -> Any:
+        """Shapes from the meta device; results real zeros where a real tensor took part, else meta."""
         real = [t for t in leaves if not t.is_meta]
+        if func in _MOVES and args and isinstance(args[0], Tensor) and not args[0].is_meta:
+            moved = args[0].new_empty(0).to(*args[1:], **kwargs) if func is Tensor.to else getattr(
+                args[0].new_empty(0), func.__name__
+            )(*args[1:], **kwargs)
+            meta = torch.empty(args[0].shape, dtype=moved.dtype, device="meta")
+            return self.placeholder(meta, sources, moved.device)
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         if _is_real_device(meta_kwargs.get("device")):
             meta_kwargs["device"] = torch.device("meta")
@@ -221,8 +226,8 @@ class PlaceholderMode(TorchFunctionMode):
                 if isinstance(leaf, Tensor):
                     self.tag(leaf, sources)
             return result
-        if func.__name__.endswith("_") or func.__name__ == "__setitem__" or "out" in kwargs:
-            target = kwargs.get("out", args[0])  # an in-place update of a real tensor by a missing value
+        if _is_inplace(func, kwargs):  # a real tensor updated by a value this rank cannot compute
+            target = kwargs.get("out", args[0])
             for leaf in tree_flatten(target)[0]:
                 if isinstance(leaf, Tensor):
                     self.tag(leaf, sources)
@@ -232,13 +237,6 @@ class PlaceholderMode(TorchFunctionMode):
             lambda leaf: self.placeholder(leaf, sources, device) if isinstance(leaf, Tensor) and leaf.is_meta else leaf,
             result,
         )
-
-    def _tag_results(self, func, args: tuple, result: Any, sources: frozenset) -> None:
-        for leaf in tree_flatten(result)[0]:
-            if isinstance(leaf, Tensor):
-                self.tag(leaf, sources)
-        if func.__name__ == "__setitem__" and isinstance(args[0], Tensor):
-            self.tag(args[0], sources)
 
     def _read(self, func, args: tuple, kwargs: dict, sources: frozenset) -> Any:
         if not self.observe:
@@ -258,6 +256,13 @@ def _name(func: Any) -> str:
     name = getattr(func, "__name__", repr(func))
     owner = getattr(func, "__self__", None)
     return getattr(owner, "__name__", name) if name == "__get__" else name
+
+
+def _is_inplace(func: Any, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    if "out" in kwargs or name == "__setitem__" or (name.startswith("__i") and name.endswith("__")):
+        return True
+    return name.endswith("_") and not name.startswith("__")
 
 
 def _is_meta_device(value: Any) -> bool:
