@@ -70,6 +70,8 @@ _MOVES = {Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.type_as}
 def describe_sources(sources: Iterable[Source], block_path: Callable[[int], str] | None = None) -> str:
     """Human words for a set of sources, for error messages."""
     words = []
+    if any(s[0] != "unknown" for s in sources):  # a meta tensor with a better name beside it says nothing more
+        sources = [s for s in sources if s[0] != "unknown"]
     for source in sorted(sources, key=repr):
         if source[0] == "param":
             words.append(f"parameter `{source[1]}`")

@@ -42,7 +42,7 @@ def build_causal_lm(family: str, layers: int, attn: str = "sdpa") -> nn.Module:
     if family == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=64, n_embd=32, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, pad_token_id=0, attn_implementation=attn,
+            attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation=attn,
         )
         return transformers.GPT2LMHeadModel(config)
     raise ValueError(family)
@@ -70,3 +70,39 @@ def lm_batches(
         labels = ids.masked_fill(mask == 0, -100)
         batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return batches
+
+
+class DemoTransformer(L.LightningModule):
+    """Lightning's own demo encoder-decoder (``lightning.pytorch.demos.Transformer``), as its example trains it.
+
+    The block stack found is the decoder's layers; the encoder's output (``memory``) feeds every
+    decoder layer, so every stage needs the encoder and its embedding: they are shared by all units.
+    """
+
+    def __init__(self, layers: int = 4, lr: float = 0.1) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.lr = lr
+        self.model = Transformer(vocab_size=64, ninp=32, nhead=2, nhid=64, nlayers=layers, dropout=0.0)
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        inputs, target = batch
+        output = self.model(inputs, target)
+        loss = torch.nn.functional.nll_loss(output, target.view(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=self.lr)
+
+
+def pair_batches(num: int, batch_size: int, lengths: list[int], vocab: int = 64, seed: int = 0) -> list:
+    """``(inputs, target)`` token batches of the demo's language-model data."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(num):
+        T = lengths[k % len(lengths)]
+        ids = torch.randint(0, vocab, (batch_size, T + 1), generator=generator)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out

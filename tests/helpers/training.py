@@ -53,6 +53,8 @@ def reference_batches(batches: list, data_parallel: int, seed: int = SEED) -> li
         group = [batches[j] for j in order[i : i + data_parallel]]
         if isinstance(group[0], dict):
             merged.append({k: torch.cat([b[k] for b in group]) for k in group[0]})
+        elif isinstance(group[0], (tuple, list)):
+            merged.append(type(group[0])(torch.cat(parts) for parts in zip(*group)))
         else:
             merged.append(torch.cat(group))
     return merged
