@@ -144,11 +144,14 @@ class PlaceholderMode(TorchFunctionMode):
         """Mark ``value`` (never a parameter or buffer) as derived from ``sources``."""
         if isinstance(value, nn.Parameter) or id(value) in self.parameter_names:
             return
-        old = self.sources_of(value)
-        value.__dict__[_TAG] = (self._run, sources if old is None else old | sources)
+        value.__dict__[_TAG] = (self._run, sources | self._own_tag(value))
         base = value._base
-        if base is not None and not isinstance(base, nn.Parameter):
-            base.__dict__[_TAG] = (self._run, sources | (self.sources_of(base) or frozenset()))
+        if base is not None and not isinstance(base, nn.Parameter) and id(base) not in self.parameter_names:
+            base.__dict__[_TAG] = (self._run, sources | self._own_tag(base))
+
+    def _own_tag(self, value: Tensor) -> frozenset:
+        tag = value.__dict__.get(_TAG)
+        return tag[1] if tag is not None and tag[0] is self._run else frozenset()
 
     def placeholder(self, meta: Tensor, sources: frozenset, device: torch.device | None = None) -> Tensor:
         """A real tensor of zeros shaped like ``meta``, tagged with ``sources``."""
@@ -178,19 +181,7 @@ class PlaceholderMode(TorchFunctionMode):
         return self._on_meta(func, args, kwargs, leaves, sources)
 
     def _real_devices(self, func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``device="meta"`` and ``.to(meta_tensor)`` on real tensors mean this rank's device."""
-        if _is_meta_device(kwargs.get("device")):
-            kwargs = {**kwargs, "device": self.device}
-        if func in _MOVES and args and isinstance(args[0], Tensor) and not args[0].is_meta:
-            rest = []
-            for arg in args[1:]:
-                if _is_meta_device(arg):
-                    arg = self.device
-                elif isinstance(arg, Tensor) and arg.is_meta:
-                    arg = torch.empty((), dtype=arg.dtype, device=self.device)
-                rest.append(arg)
-            args = (args[0], *rest)
-        return args, kwargs
+        return real_devices(func, args, kwargs, self.device)
 
     def _stand_in(self, value: Any) -> Any:
         if isinstance(value, Tensor) and (value.is_meta or self.sources_of(value) is not None):
@@ -252,6 +243,28 @@ class PlaceholderMode(TorchFunctionMode):
         self.reads.append(sources)
         stand_in = torch.zeros(args[0].shape, dtype=args[0].dtype)
         return func(stand_in, *args[1:], **kwargs)
+
+
+def real_devices(func: Any, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    """Rewrite ``device="meta"`` (and ``.to`` a meta device or meta tensor, on a real tensor) to ``device``.
+
+    On a rank that holds no parameters of a unit, ``embeds.device`` is ``meta``; the user's code
+    means "where the model lives", which for what does not need those parameters is this rank.
+    """
+    if func in _MOVES and args and isinstance(args[0], Tensor) and args[0].is_meta:
+        return args, kwargs  # a missing tensor stays missing, wherever it is asked to go
+    if _is_meta_device(kwargs.get("device")):
+        kwargs = {**kwargs, "device": device}
+    if func in _MOVES and args and isinstance(args[0], Tensor) and not args[0].is_meta:
+        rest = []
+        for arg in args[1:]:
+            if _is_meta_device(arg):
+                arg = device
+            elif isinstance(arg, Tensor) and arg.is_meta:
+                arg = torch.empty((), dtype=arg.dtype, device=device)
+            rest.append(arg)
+        args = (args[0], *rest)
+    return args, kwargs
 
 
 def _name(func: Any) -> str:

@@ -49,12 +49,13 @@ def build_causal_lm(family: str, layers: int, attn: str = "sdpa") -> nn.Module:
 
 
 def lm_batches(
-    num: int, batch_size: int, lengths: list[int], vocab: int = 64, padded: bool = True, seed: int = 0
+    num: int, batch_size: int, lengths: list[int], vocab: int = 64, padding: str = "variable", seed: int = 0
 ) -> list[dict]:
     """Right-padded batches: ``input_ids``, ``attention_mask``, ``labels`` (-100 at padding).
 
-    With ``padded``, sample ``i`` of a batch of length ``T`` holds ``T - (i % 3)`` real tokens;
-    otherwise every position is real (every microbatch counts the same number of tokens).
+    ``padding="variable"``: sample ``i`` of a batch of length ``T`` holds ``T - (i % 3)`` real tokens
+    (microbatches count different numbers of tokens); ``"equal"``: every sample holds ``T - 2``
+    (real padding, equal counts); ``"none"``: every position is real.
     """
     generator = torch.Generator().manual_seed(seed)
     batches = []
@@ -62,10 +63,9 @@ def lm_batches(
         T = lengths[k % len(lengths)]
         ids = torch.randint(1, vocab, (batch_size, T), generator=generator)
         mask = torch.ones(batch_size, T, dtype=torch.long)
-        if padded:
-            for i in range(batch_size):
-                n = T - (i % 3)
-                mask[i, n:] = 0
+        for i in range(batch_size):
+            pad = {"variable": i % 3, "equal": 2, "none": 0}[padding]
+            mask[i, T - pad :] = 0
         ids = ids.masked_fill(mask == 0, 0)
         labels = ids.masked_fill(mask == 0, -100)
         batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
