@@ -34,11 +34,11 @@ def _pipeline(schedule: str = "1f1b", microbatches: int = 4, **kwargs) -> Elasti
     )
 
 
-def _parity(make, batches, strategy, tmp_path=None, steps=STEPS, **kwargs):
+def _parity(make, batches, strategy, tmp_path=None, steps=STEPS, atol=1e-10, **kwargs):
     pipelined = fit(make, batches, strategy, devices=2, steps=steps, log_dir=tmp_path, **kwargs)
     kwargs.pop("callbacks", None)  # the planners; accumulation and the like apply to the reference too
     reference = fit(make, reference_batches(batches, 1), steps=steps, **kwargs)
-    assert_same_parameters(pipelined, reference, atol=1e-10)
+    assert_same_parameters(pipelined, reference, atol=atol)
     return pipelined, reference
 
 
@@ -67,8 +67,12 @@ def test_llama_eager_attention_and_variable_padding_with_one_microbatch():
     "counts of non -100 labels are weighted by samples today",
 )
 def test_llama_token_averaged_loss_with_variable_padding():
+    """Microbatches count 8, 7, 6 and 8 tokens. transformers computes its loss in float32 even for a
+    float64 model (``logits.float()`` in ``ForCausalLMLoss``), so unequal microbatch weights round
+    differently from one device's single mean: measured 3e-7 with token weights patched in, 6e-2
+    with today's sample weights. Hence 1e-5 here, not 1e-10."""
     batches = lm_batches(STEPS, batch_size=4, lengths=[9, 6, 12], padding="variable")
-    _parity(lambda: HFCausalLM("llama", layers=4).double(), batches, _pipeline())
+    _parity(lambda: HFCausalLM("llama", layers=4).double(), batches, _pipeline(), atol=1e-5)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
