@@ -165,9 +165,9 @@ class PlaceholderMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
-        if self.inside is None:
-            args, kwargs = self._real_devices(func, args, kwargs)
-        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if self.inside is None and ("device" in kwargs or func in _MOVES):
+            args, kwargs = real_devices(func, args, kwargs, self.device)
+        leaves = _tensor_leaves(args, kwargs)
         tainted = [s for s in (self.sources_of(t) for t in leaves) if s is not None]
         if self.inside is not None:
             tainted.append(frozenset({("inside", self.inside)}))
@@ -179,9 +179,6 @@ class PlaceholderMode(TorchFunctionMode):
         if func in _VALUE_FREE:
             return func(*tree_map(self._stand_in, args), **tree_map(self._stand_in, kwargs))
         return self._on_meta(func, args, kwargs, leaves, sources)
-
-    def _real_devices(self, func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return real_devices(func, args, kwargs, self.device)
 
     def _stand_in(self, value: Any) -> Any:
         if isinstance(value, Tensor) and (value.is_meta or self.sources_of(value) is not None):
@@ -265,6 +262,17 @@ def real_devices(func: Any, args: tuple, kwargs: dict, device: torch.device) -> 
             rest.append(arg)
         args = (args[0], *rest)
     return args, kwargs
+
+
+def _tensor_leaves(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among a call's arguments (a flat loop for the usual flat calls, pytree otherwise)."""
+    leaves = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            leaves.append(value)
+        elif isinstance(value, (list, tuple, dict)):
+            return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    return leaves
 
 
 def _name(func: Any) -> str:

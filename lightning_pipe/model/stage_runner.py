@@ -204,6 +204,7 @@ class StageRunner:
         self._twins = [_meta_twin(block) for block in stack.blocks]
         self._shape_memo: dict[tuple[int, Any], tuple[list[Any], Any]] = {}  # (block, signature) -> output
         self._active: _ActiveRun | None = None
+        self._parameter_names: dict[int, str] | None = None  # id(parameter) -> name, for sources
         self._originals = []
         for index, block in enumerate(stack.blocks):
             original = block.forward
@@ -231,8 +232,13 @@ class StageRunner:
         device = self.device
         if device is None:
             device = next((p.device for p in self.root.parameters() if not p.is_meta), torch.device("cpu"))
-        names = {id(p): name for name, p in self.root.named_parameters()}
-        return PlaceholderMode(device, names, observe=observe, describe_block=self.stack.block_path)
+        if observe or self._parameter_names is None:  # an observation must see the parameters as they are now
+            self._parameter_names = {id(p): name for name, p in self.root.named_parameters()}
+        return PlaceholderMode(device, self._parameter_names, observe=observe, describe_block=self.stack.block_path)
+
+    def parameters_changed(self) -> None:
+        """Call after parameter objects were replaced (sharding, migration): names in messages stay right."""
+        self._parameter_names = None
 
     # --- blocks ------------------------------------------------------------------------------
 

@@ -401,6 +401,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.groups.pipeline, self.optimizers, self.root_device,
         )
         self.unit_layout = layout
+        self.runner.parameters_changed()
         self._shared = self._shared_parameters()
         if shared_moves:
             for param, holders in self._shared:

@@ -101,3 +101,26 @@ def test_a_later_stage_computes_masks_for_real_and_refuses_placeholders_in_the_l
     with pytest.raises(RuntimeError, match=r"stage 1: the value the step returns is computed from the output of block "
                        r"`blocks.0`, which this rank does not hold or run"):
         runner.run("training_step", (batch, 0), StageSpan(1, 2, 4, 4), receive=receive)
+
+
+class _ReadsEmbeddings(TinyGPT):
+    def forward(self, idx):
+        x = self.wte(idx)
+        if x.abs().max() > 100:  # a decision on a value a later stage cannot compute
+            x = x / 2
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_reading_a_value_a_stage_cannot_compute_is_refused():
+    model = _ReadsEmbeddings(layers=4)
+    model.log = lambda *a, **k: None
+    stack = find_blocks(model)
+    from lightning_pipe.model import analyze_units, owned_units, shard_module
+
+    shard_module(model, analyze_units(model, stack), owned_units((0, 2, 4), [1]), torch.device("cpu"))
+    runner = StageRunner(model, stack)
+    receive = lambda metas: [torch.zeros(m.shape, dtype=m.dtype) for m in metas]  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"reads the value of a tensor \(`__bool__`\) computed from parameter `wte.weight`"):
+        runner.run("training_step", (torch.randint(0, 32, (2, 7)), 0), StageSpan(1, 2, 4, 4), receive=receive)

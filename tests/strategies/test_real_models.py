@@ -107,13 +107,13 @@ def test_llama_meta_cost_model_plans_from_the_batch():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-@pytest.mark.parametrize("make", [DirectHeadDecoder, GatedGPT], ids=["head-uses-embedding-weight", "free-parameters"])
+@pytest.mark.parametrize("make", [DirectHeadDecoder, GatedGPT], ids=["head-uses-embedding-weight", "head-declared-first-free-parameters"])
 def test_weights_used_outside_their_module_parity(make, schedule):
     batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
     _parity(lambda: make(layers=4).double(), batches, _pipeline(schedule))
 
 
-@pytest.mark.parametrize("make", [DirectHeadDecoder, GatedGPT], ids=["head-uses-embedding-weight", "free-parameters"])
+@pytest.mark.parametrize("make", [DirectHeadDecoder, GatedGPT], ids=["head-uses-embedding-weight", "head-declared-first-free-parameters"])
 def test_shared_weights_migrate_with_random_plans_inside_accumulation(tmp_path, make):
     """Shared pieces move when the partition and schedule change every batch, with accumulation 2."""
     batches = token_batches(6, batch_size=4, lengths=[5, 7, 9, 11, 13, 15])
