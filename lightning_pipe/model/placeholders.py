@@ -65,6 +65,7 @@ _VALUE_FREE = {  # results depend on shape, dtype and device only
     Tensor.new_full,
 }
 _MOVES = {Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.type_as}
+_SHAPE_DONORS = {Tensor.expand_as, Tensor.view_as, Tensor.reshape_as, Tensor.type_as}  # the 2nd gives shape or dtype
 
 
 def describe_sources(sources: Iterable[Source], block_path: Callable[[int], str] | None = None) -> str:
@@ -178,6 +179,8 @@ class PlaceholderMode(TorchFunctionMode):
             return self._read(func, args, kwargs, sources)
         if func in _VALUE_FREE:
             return func(*tree_map(self._stand_in, args), **tree_map(self._stand_in, kwargs))
+        if func in _SHAPE_DONORS and len(args) == 2 and not args[0].is_meta and self.sources_of(args[0]) is None:
+            return func(args[0], self._stand_in(args[1]))  # mask.expand_as(embeds): the mask stays clean
         return self._on_meta(func, args, kwargs, leaves, sources)
 
     def _stand_in(self, value: Any) -> Any:

@@ -124,3 +124,23 @@ def test_reading_a_value_a_stage_cannot_compute_is_refused():
     receive = lambda metas: [torch.zeros(m.shape, dtype=m.dtype) for m in metas]  # noqa: E731
     with pytest.raises(RuntimeError, match=r"reads the value of a tensor \(`__bool__`\) computed from parameter `wte.weight`"):
         runner.run("training_step", (torch.randint(0, 32, (2, 7)), 0), StageSpan(1, 2, 4, 4), receive=receive)
+
+
+def test_value_free_uses_of_a_placeholder_stay_real():
+    """Shapes, dtypes and devices of placeholders may shape real tensors; their values may not."""
+    from lightning_pipe.model import PlaceholderMode
+
+    weight = torch.nn.Parameter(torch.empty(8, 4, device="meta"))
+    mode = PlaceholderMode(torch.device("cpu"), {id(weight): "embed.weight"})
+    ids, mask = torch.tensor([[1, 2, 3]]), torch.tensor([[1.0, 1.0, 0.0]])
+    with mode:
+        embeds = torch.nn.functional.embedding(ids, weight)  # needs the missing weight
+        positions = torch.arange(3, device=weight.device)  # "the embeddings' device" is this rank's
+        expanded = mask.unsqueeze(-1).expand_as(embeds)
+        zeros = torch.zeros_like(embeds)
+        scaled = embeds * 2
+    assert embeds.device.type == "cpu" and embeds.shape == (1, 3, 4)
+    assert mode.sources_of(embeds) == mode.sources_of(scaled) == frozenset({("param", "embed.weight")})
+    assert positions.device.type == "cpu" and mode.sources_of(positions) is None
+    assert mode.sources_of(expanded) is None and mode.sources_of(zeros) is None
+    assert torch.equal(expanded[0, :, 0], mask[0])
