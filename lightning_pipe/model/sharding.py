@@ -1,4 +1,4 @@
-"""Keep real tensors only for the units a rank owns; everything else lives on the meta device."""
+"""Keep real tensors only for the units a rank runs (and replicated buffers); the rest lives on the meta device."""
 
 from __future__ import annotations
 
@@ -26,16 +26,8 @@ def owned_units(boundaries: tuple[int, ...] | list[int], stages: tuple[int, ...]
     return units
 
 
-def _owned_names(layout: UnitLayout, units: set[int]) -> set[str]:
-    names = {name for unit in units for name in layout.unit_names[unit]}
-    for group in layout.tied:  # a tied tensor is held wherever one of its names is
-        if names.intersection(group):
-            names.update(group)
-    return names
-
-
 def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: torch.device) -> None:
-    """Move the tensors of ``units`` to ``device`` and replace all others by meta tensors, in place.
+    """Move the tensors ``units`` need (and replicated buffers) to ``device``; all others become meta, in place.
 
     Parameters are replaced by new ``nn.Parameter`` objects (a tensor cannot change between meta and
     a real device in place), so call this before optimizers are created. Tensors registered under
@@ -43,7 +35,7 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
     ``trainer.init_module(empty_init=True)``) are allocated uninitialized on ``device``, to be filled
     from a checkpoint, as with any empty initialization.
     """
-    owned = _owned_names(layout, units)
+    owned = layout.needed_names(units)
     replaced: dict[int, torch.Tensor] = {}
     for path, module in root.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""

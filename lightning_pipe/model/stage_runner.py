@@ -3,19 +3,22 @@
 The central trick of lightning-pipe (docs/architecture.md): every rank calls the user's own
 ``training_step`` (or ``validation_step``, ...) for every microbatch of a stage it runs.
 
-* Blocks before the stage do not compute: they return meta tensors of the right shapes, found once
-  per input signature by running a meta-device twin of the block, so later code sees the shapes.
-* The block just before the stage returns, instead of its meta output, the tensors received from the
-  previous stage (leaves that require grad): the stage's inputs.
+* Blocks before the stage do not compute: they return real *placeholders* (zeros, tagged as such)
+  of their output's shapes, found once per input signature by a meta-device twin of the block.
+* The block just before the stage returns, instead, the tensors received from the previous stage
+  (leaves that require grad): the stage's inputs.
 * The stage's blocks run for real. After its last block, the output is captured and the rest of the
   user's step is cut short (a ``BaseException`` so that user ``except Exception`` blocks let it pass).
   The last stage runs the step to the end and returns its output (the loss).
 
 Blocks are wrapped by an instance-level ``forward`` (the user's class and source are untouched; the
-state-dict keys do not change). Non-block code (embeddings, head) runs as is: on a rank that does
-not own it, its parameters are meta tensors, so it costs nothing and yields meta tensors. Until the
-stage's inputs are injected, real tensors that meet meta tensors in one operation are moved to meta
-(a torch-function mode), so user code mixing batch-derived tensors with embeddings keeps working.
+state-dict keys do not change). The code outside the blocks this rank runs (embeddings, masks,
+rotary tables, the head) runs under :class:`~lightning_pipe.model.placeholders.PlaceholderMode`:
+everything that needs no missing parameter is computed for real, the rest becomes placeholders,
+and a placeholder that reaches a block this rank runs, the loss or a logged value is refused with
+the value's sources named. :meth:`StageRunner.observe` runs the step once with every parameter
+treated as missing and records the order of block calls and which parameters each block's inputs
+and the step's results need (``model/observation.py`` turns that into units).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_pipe.model.blocks import BlockStack
+from lightning_pipe.model.placeholders import PlaceholderMode, describe_sources, find_tainted
 
 
 @dataclass(frozen=True)
@@ -93,41 +96,26 @@ class _StageBoundary(BaseException):
         self.output = output
 
 
-class _MetaPromotion(TorchFunctionMode):
-    """While enabled, an operation mixing meta and real tensors runs on meta."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.enabled = True
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.enabled:
-            leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-            if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
-                args, kwargs = tree_map(_to_meta, (args, kwargs))
-        return func(*args, **kwargs)
-
-
 def _to_meta(value: Any) -> Any:
     if isinstance(value, Tensor) and not value.is_meta:
         return value.detach().to("meta")
     return value
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
 def _signature(value: Any) -> Any:
-    """Hashable description of a call's arguments: tensor shapes/dtypes and the rest by value."""
+    """Hashable description of a call's arguments: tensor shapes/dtypes, plain values, types of objects."""
     leaves, spec = tree_flatten(value)
     described = []
     for leaf in leaves:
         if isinstance(leaf, Tensor):
             described.append(("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
-        else:
-            try:
-                hash(leaf)
-                described.append(leaf)
-            except TypeError:
-                described.append(repr(leaf))
+        elif isinstance(leaf, _PLAIN):
+            described.append(leaf)
+        else:  # a cache object, a config: its identity must not grow the memo (a new one per step)
+            described.append(("O", type(leaf).__qualname__))
     return (str(spec), tuple(described))
 
 
@@ -147,20 +135,55 @@ BlockWrapper = Callable[[int, Callable[..., Any], tuple, dict], Any]
 activation checkpointing or with saved tensors offloaded; must return ``forward(*args, **kwargs)``."""
 
 
+@dataclass
+class StepObservation:
+    """What one run of a step with every parameter treated as missing showed (:meth:`StageRunner.observe`).
+
+    Attributes:
+        step_name: the step function observed.
+        block_calls: block indices in the order the step called them.
+        block_sources: per call, the sources of the call's tensor arguments (see
+            ``model/placeholders.py``: ``("param", name)``, ``("block", i)``, ``("inside", i)``).
+        result_sources: per result of the step (``"the loss"``, ``"logged value 'acc'"``), its sources.
+        reads: sources of every tensor whose value the step read (``.item()``, ``bool()``).
+    """
+
+    step_name: str
+    block_calls: list[int] = field(default_factory=list)
+    block_sources: list[frozenset] = field(default_factory=list)
+    result_sources: dict[str, frozenset] = field(default_factory=dict)
+    reads: list[frozenset] = field(default_factory=list)
+
+
 class _ActiveRun:
     """State of one stage run: which blocks are real, what to inject, what came out."""
 
     def __init__(
         self,
-        span: StageSpan,
+        span: StageSpan | None,
         receive: Callable[[list[Tensor]], list[Tensor]] | None,
         wrap_block: BlockWrapper | None,
+        mode: PlaceholderMode,
+        observation: StepObservation | None = None,
     ) -> None:
         self.span = span
         self.receive = receive
         self.wrap_block = wrap_block
+        self.mode = mode
+        self.observation = observation
         self.result = StageResult()
-        self.promotion: _MetaPromotion | None = None
+        self.last_block: int | None = None
+
+
+@contextlib.contextmanager
+def _suspended(mode: PlaceholderMode):
+    """Plain torch inside (a real block, a meta twin, a transfer)."""
+    was = mode.active
+    mode.active = False
+    try:
+        yield
+    finally:
+        mode.active = was
 
 
 class StageRunner:
@@ -170,14 +193,18 @@ class StageRunner:
         root: the user's module (unchanged; its blocks get an instance-level ``forward`` wrapper
             that behaves exactly like the original outside :meth:`run`).
         stack: the block stack found in ``root``.
+        device: this rank's device (where placeholders and ``device="meta"`` requests go); None:
+            the device of the first real parameter, else the CPU.
     """
 
-    def __init__(self, root: nn.Module, stack: BlockStack) -> None:
+    def __init__(self, root: nn.Module, stack: BlockStack, device: torch.device | None = None) -> None:
         self.root = root
         self.stack = stack
+        self.device = device
         self._twins = [_meta_twin(block) for block in stack.blocks]
         self._shape_memo: dict[tuple[int, Any], tuple[list[Any], Any]] = {}  # (block, signature) -> output
         self._active: _ActiveRun | None = None
+        self._parameter_names: dict[int, str] | None = None  # id(parameter) -> name, for sources
         self._originals = []
         for index, block in enumerate(stack.blocks):
             original = block.forward
@@ -194,35 +221,73 @@ class StageRunner:
             run = self._active
             if run is None:
                 return original(*args, **kwargs)
+            if run.observation is not None:
+                return self._observe_block(run, index, args, kwargs)
             return self._call_block(run, index, original, args, kwargs)
 
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         return forward
 
+    def _mode(self, observe: bool) -> PlaceholderMode:
+        device = self.device
+        if device is None:
+            device = next((p.device for p in self.root.parameters() if not p.is_meta), torch.device("cpu"))
+        if observe or self._parameter_names is None:  # an observation must see the parameters as they are now
+            self._parameter_names = {id(p): name for name, p in self.root.named_parameters()}
+        return PlaceholderMode(device, self._parameter_names, observe=observe, describe_block=self.stack.block_path)
+
+    def parameters_changed(self) -> None:
+        """Call after parameter objects were replaced (sharding, migration): names in messages stay right."""
+        self._parameter_names = None
+
+    # --- blocks ------------------------------------------------------------------------------
+
     def _call_block(self, run: _ActiveRun, index: int, original: Callable, args: tuple, kwargs: dict) -> Any:
         span = run.span
+        assert span is not None
+        if run.last_block is not None and index <= run.last_block:
+            raise RuntimeError(
+                f"Block `{self.stack.block_path(index)}` was called after block `{self.stack.block_path(run.last_block)}` "
+                f"in one step (stage {span.stage}): pipeline stages need every block of `{self.stack.path}` called "
+                "exactly once per step, in order."
+            )
+        run.last_block = index
         if index < span.first_block:
-            output = self._meta_output(index, args, kwargs)
+            with _suspended(run.mode):
+                meta_output = self._meta_output(index, args, kwargs)
             if index == span.first_block - 1:
-                output = self._inject(run, output)
-            return output
+                return self._inject(run, meta_output)
+            return self._placeholders(run.mode, meta_output, frozenset({("block", index)}))
         if index >= span.end_block:
             raise RuntimeError(
                 f"Block {index} ran after stage {span.stage}'s last block {span.end_block - 1} without the stage "
                 "being cut short; the block stack must be called in order, once per step."
             )
-        _check_real_arguments(index, span, args, kwargs)
-        if run.wrap_block is not None:
-            output = run.wrap_block(index, original, args, kwargs)
-        else:
-            output = original(*args, **kwargs)
+        self._check_real_arguments(run, index, args, kwargs)
+        with _suspended(run.mode):
+            if run.wrap_block is not None:
+                output = run.wrap_block(index, original, args, kwargs)
+            else:
+                output = original(*args, **kwargs)
         if index == span.end_block - 1 and not span.is_last:
             raise _StageBoundary(output)
         return output
 
-    def _meta_output(self, index: int, args: tuple, kwargs: dict) -> Any:
+    def _check_real_arguments(self, run: _ActiveRun, index: int, args: tuple, kwargs: dict) -> None:
+        tainted = find_tainted(run.mode, (args, kwargs))
+        if tainted:
+            position, leaf, sources = tainted[0]
+            raise RuntimeError(
+                f"Block `{self.stack.block_path(index)}` of stage {run.span.stage} received a tensor (argument leaf "
+                f"{position}, shape {tuple(leaf.shape)}) computed from {describe_sources(sources, self.stack.block_path)}, "
+                "which this rank does not hold or run. Inputs of a block must come from the previous block's output, "
+                "the batch, or parameters the step uses before the blocks; a value carried past a block outside its "
+                "outputs cannot reach a later stage: return it from the block instead."
+            )
+
+    def _meta_output(self, index: int, args: tuple, kwargs: dict, force: bool = False) -> Any:
         key = (index, _signature((args, kwargs)))
-        memo = self._shape_memo.get(key)
+        memo = None if force else self._shape_memo.get(key)
         if memo is None:
             with torch.no_grad():
                 output = self._twins[index](*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
@@ -236,12 +301,19 @@ class StageRunner:
         ]
         return tree_unflatten(leaves, spec)
 
+    def _placeholders(self, mode: PlaceholderMode, meta_output: Any, sources: frozenset) -> Any:
+        with _suspended(mode):
+            return tree_map(
+                lambda leaf: mode.placeholder(leaf, sources) if isinstance(leaf, Tensor) else leaf, meta_output
+            )
+
     def _inject(self, run: _ActiveRun, meta_output: Any) -> Any:
         if run.receive is None:
             raise RuntimeError(f"Stage {run.span.stage} needs its inputs but no receive function was given.")
         leaves, spec = tree_flatten(meta_output)
         metas = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-        received = run.receive(metas)
+        with _suspended(run.mode):
+            received = run.receive(metas)
         if len(received) != len(metas):
             raise RuntimeError(
                 f"Stage {run.span.stage} expected {len(metas)} tensors from the previous stage, got {len(received)}."
@@ -249,9 +321,25 @@ class StageRunner:
         it = iter(received)
         leaves = [next(it) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
         run.result.inputs = list(received)
-        if run.promotion is not None:
-            run.promotion.enabled = False
         return tree_unflatten(leaves, spec)
+
+    def _observe_block(self, run: _ActiveRun, index: int, args: tuple, kwargs: dict) -> Any:
+        mode, observation = run.mode, run.observation
+        assert observation is not None
+        leaves = [mode.sources_of(t) for t in tree_flatten((args, kwargs))[0]]
+        observation.block_calls.append(index)
+        observation.block_sources.append(frozenset().union(*[s for s in leaves if s is not None]))
+        with _suspended(mode):
+            meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
+        mode.inside = index  # what the twin leaves behind (hooks, lists) is marked as from inside the block
+        try:
+            with torch.no_grad():
+                output = self._twins[index](*meta_args, **meta_kwargs)
+        finally:
+            mode.inside = None
+        return self._placeholders(mode, output, frozenset({("block", index)}))
+
+    # --- steps -------------------------------------------------------------------------------
 
     def run(
         self,
@@ -270,18 +358,25 @@ class StageRunner:
             receive: given the meta tensors of the previous stage's output (shapes, dtypes), returns
                 the real tensors; required unless ``span.is_first``.
             wrap_block: runs each of the stage's block calls (memory plans: recompute, offload).
+
+        Raises:
+            RuntimeError: a block this stage runs, the loss or a logged value would be computed
+                from a placeholder (a value needing parameters or blocks of other stages), or the
+                step read such a value; the message names the value's sources.
         """
         if self._active is not None:
             raise RuntimeError("StageRunner.run is not reentrant: a stage is already running.")
-        run = _ActiveRun(span, receive, wrap_block)
+        run = _ActiveRun(span, receive, wrap_block, self._mode(observe=False))
         self._active = run
         recorded: list[LogCall] = []
         try:
-            with self._capture_logs(recorded), self._promotion(run):
+            with self._capture_logs(recorded), run.mode:
                 try:
                     run.result.step_output = getattr(self.root, step_name)(*step_args)
                 except _StageBoundary as boundary:
                     run.result.outputs = [t for t in tree_flatten(boundary.output)[0] if isinstance(t, Tensor)]
+            if span.is_last:
+                self._check_results(run.mode, step_name, span, run.result.step_output, recorded)
         finally:
             self._active = None
         if span.is_last:
@@ -293,14 +388,46 @@ class StageRunner:
             )
         return run.result
 
-    @contextlib.contextmanager
-    def _promotion(self, run: _ActiveRun):
-        if run.span.is_first:
-            yield
-            return
-        run.promotion = _MetaPromotion()
-        with run.promotion:
-            yield
+    def _check_results(self, mode: PlaceholderMode, step_name: str, span: StageSpan, output: Any, logs: list) -> None:
+        results = [("the value the step returns", output)] + [(f"the logged value {c.name!r}", c.value) for c in logs]
+        for what, value in results:
+            tainted = find_tainted(mode, value)
+            if tainted:
+                raise RuntimeError(
+                    f"`{step_name}` on stage {span.stage}: {what} is computed from "
+                    f"{describe_sources(tainted[0][2], self.stack.block_path)}, which this rank does not hold or run. "
+                    "With pipeline stages, what the step returns or logs after the blocks may depend on the last "
+                    "block's output, the batch and parameters only; a value carried across blocks outside their "
+                    "outputs (an auxiliary loss summed in the loop, a hook collecting router logits) must be "
+                    "returned by each block and accumulated in its outputs instead."
+                )
+
+    def observe(self, step_name: str, step_args: tuple) -> StepObservation:
+        """Run ``root.<step_name>(*step_args)`` once with every parameter and block treated as missing.
+
+        Nothing heavy runs: blocks run as meta twins, operations on parameters on the meta device
+        (or for real where this rank holds them, without gradients). Returns the order of block
+        calls and the sources of every block input and step result.
+        """
+        if self._active is not None:
+            raise RuntimeError("StageRunner.observe is not reentrant: a stage is already running.")
+        observation = StepObservation(step_name)
+        run = _ActiveRun(None, None, None, self._mode(observe=True), observation)
+        self._active = run
+        recorded: list[LogCall] = []
+        try:
+            with self._capture_logs(recorded), run.mode, torch.no_grad():
+                output = getattr(self.root, step_name)(*step_args)
+                results = [("the value the step returns", output)] + [
+                    (f"the logged value {c.name!r}", c.value) for c in recorded
+                ]
+                for what, value in results:
+                    found = [s for _, _, s in find_tainted(run.mode, value)]
+                    observation.result_sources[what] = frozenset().union(*found)
+        finally:
+            self._active = None
+        observation.reads = list(run.mode.reads)
+        return observation
 
     @contextlib.contextmanager
     def _capture_logs(self, recorded: list[LogCall]):
@@ -318,14 +445,3 @@ class StageRunner:
             yield
         finally:
             del self.root.log
-
-
-def _check_real_arguments(index: int, span: StageSpan, args: tuple, kwargs: dict) -> None:
-    for position, leaf in enumerate(tree_flatten((args, kwargs))[0]):
-        if isinstance(leaf, Tensor) and leaf.is_meta:
-            raise RuntimeError(
-                f"Block {index} of stage {span.stage} received a tensor that exists only on the meta device "
-                f"(argument leaf {position}, shape {tuple(leaf.shape)}): it is computed from parameters this stage "
-                "does not own. Side inputs of blocks (masks, positions) must be derived from the batch, not from "
-                "embeddings or other layers outside the block stack."
-            )

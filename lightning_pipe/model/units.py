@@ -1,12 +1,18 @@
-"""Units, the atoms of partitioning, and which of the module's tensors belong to each.
+"""Units, the atoms of partitioning, and which of the module's tensors each unit needs.
 
 Unit ``0`` is ``pre`` (what runs before block 0: embeddings, ...), units ``1..n`` are the blocks,
-and unit ``n + 1`` is ``post`` (final norm, head, loss). Non-block tensors are assigned by where
-their module is registered relative to the block stack: modules registered before it belong to
-``pre``, after it to ``post``; parameters held directly by an ancestor of the stack (a learned
-position table on the root, say) belong to ``pre``. A tensor registered under two names in
-different units (tied input and output embeddings) is *tied*: every stage owning one of those units
-holds a real copy, and the strategy keeps the copies equal by summing their gradients.
+and unit ``n + 1`` is ``post`` (final norm, head, loss). Each parameter has a *home* unit, and a
+parameter the step uses in several units (tied input and output embeddings, ``h @ embed.weight.T``
+in the head, a free ``nn.Parameter`` of the root used between blocks) is *shared*: every rank
+running one of those units holds a real copy, and the strategy keeps the copies equal by summing
+their gradients. Buffers outside the block stack (rotary tables, causal-mask caches, position-id
+ranges) are *replicated*: every rank holds them, so the code between units computes masks and
+positions for real on every stage.
+
+:func:`analyze_units` gives the layout known without running anything: units by where modules
+are declared relative to the block stack, sharing by tensor identity (a module or parameter
+registered twice). :func:`layout_from_observation` (``model/observation.py``) replaces it after the
+first step was observed: units by where the step *uses* each parameter.
 """
 
 from __future__ import annotations
@@ -22,18 +28,23 @@ from lightning_pipe.model.blocks import BlockStack
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """Which tensor names (parameters and buffers, fully qualified) belong to which unit.
+    """Which tensor names (parameters and buffers, fully qualified) each unit needs.
 
     Attributes:
         stack: the block stack the units are cut from.
-        unit_names: per unit, the names of the tensors it holds (first name of a tied tensor wins
-            its own unit; the other units list it under their own names).
-        tied: groups of names that refer to one tensor used by several units.
+        unit_names: per unit, the (canonical) names of the tensors it needs: those at home there
+            and the shared ones it uses. A shared name appears under every unit that uses it.
+        tied: groups of names that refer to one tensor (a module or parameter registered twice);
+            the first name is the canonical one.
+        shared: ``(canonical name, units)`` for every tensor needed by more than one unit.
+        replicated: buffers held by every rank (those outside the block stack).
     """
 
     stack: BlockStack
     unit_names: tuple[tuple[str, ...], ...]
     tied: tuple[tuple[str, ...], ...]
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    replicated: tuple[str, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -46,11 +57,51 @@ class UnitLayout:
         return len(self.unit_names)
 
     def unit_of(self, name: str) -> int:
-        """Unit index that holds tensor ``name``."""
+        """The first unit that needs tensor ``name`` (its home)."""
+        name = self.canonical(name)
         for unit, names in enumerate(self.unit_names):
             if name in names:
                 return unit
         raise KeyError(name)
+
+    def canonical(self, name: str) -> str:
+        """The first name of the tensor registered as ``name``."""
+        for group in self.tied:
+            if name in group:
+                return group[0]
+        return name
+
+    def aliases(self, name: str) -> tuple[str, ...]:
+        """Every name of the tensor called ``name`` (itself if it is registered once)."""
+        for group in self.tied:
+            if name in group:
+                return group
+        return (name,)
+
+    def needed_names(self, units: set[int] | frozenset[int]) -> set[str]:
+        """Every name (aliases included) a rank running ``units`` must hold for real."""
+        names = {alias for name in self.replicated for alias in self.aliases(name)}
+        for unit in units:
+            for name in self.unit_names[unit]:
+                names.update(self.aliases(name))
+        return names
+
+    def pieces(self) -> list[tuple[tuple[str, ...], frozenset[int]]]:
+        """The layout as ``(names, units that need them)`` pieces that move between ranks as one.
+
+        Each unit's unshared tensors form one piece; each shared tensor is a piece of its own,
+        held wherever one of its units is. Replicated buffers never move and are not listed.
+        """
+        shared = dict(self.shared)
+        pieces = [
+            (tuple(n for n in names if n not in shared), frozenset({unit})) for unit, names in enumerate(self.unit_names)
+        ]
+        pieces += [((name,), frozenset(units)) for name, units in self.shared]
+        return [(names, units) for names, units in pieces if names]
+
+    def shared_parameters(self) -> list[tuple[str, frozenset[int]]]:
+        """``(canonical name, units)`` of shared tensors, in a fixed order (identical on every rank)."""
+        return [(name, frozenset(units)) for name, units in self.shared]
 
 
 def _unit_of_module(path: str, stack_path: str, num_blocks: int, after_stack: bool) -> int:
@@ -62,46 +113,70 @@ def _unit_of_module(path: str, stack_path: str, num_blocks: int, after_stack: bo
     return num_blocks + 1 if after_stack else 0
 
 
-def analyze_units(root: nn.Module, stack: BlockStack) -> UnitLayout:
-    """Assign every parameter and buffer of ``root`` to a unit.
+def registered_tensors(root: nn.Module, stack: BlockStack) -> dict[int, list[tuple[int, str, bool]]]:
+    """``id(tensor) -> [(declaration unit, name, is_parameter), ...]`` for every registration.
 
-    Raises:
-        ValueError: the stack container holds tensors of its own, or a tensor is shared between
-            blocks (only pre/post ties are supported).
+    The declaration unit follows where the module is registered: before the stack ``pre``, inside
+    it its block, after it ``post``; parameters held directly by an ancestor of the stack count as
+    ``pre``.
     """
     if any(True for _ in stack.container.named_parameters(recurse=False)):
         raise ValueError(f"The block container `{stack.path}` holds parameters of its own; they belong to no block.")
-    num_blocks = stack.num_blocks
-    owners: dict[int, list[tuple[int, str]]] = defaultdict(list)  # id(tensor) -> [(unit, name)]
+    owners: dict[int, list[tuple[int, str, bool]]] = defaultdict(list)
     seen_stack = False  # named_modules walks in pre-order: a module outside the stack seen after it is "post"
     for path, module in root.named_modules(remove_duplicate=False):
         in_stack = path == stack.path or path.startswith(stack.path + ".")
         seen_stack = seen_stack or in_stack
         if path == stack.path:
             continue
-        unit = _unit_of_module(path, stack.path, num_blocks, after_stack=seen_stack and not in_stack)
+        unit = _unit_of_module(path, stack.path, stack.num_blocks, after_stack=seen_stack and not in_stack)
         prefix = f"{path}." if path else ""
-        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
-            if tensor is not None:
-                owners[id(tensor)].append((unit, prefix + name))
+        for registry, is_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in registry.items():
+                if tensor is not None:
+                    owners[id(tensor)].append((unit, prefix + name, is_parameter))
+    return owners
 
-    unit_names: list[list[str]] = [[] for _ in range(num_blocks + 2)]
-    tied = []
+
+def make_layout(
+    stack: BlockStack, owners: dict[int, list[tuple[int, str, bool]]], units_of: dict[str, set[int]]
+) -> UnitLayout:
+    """Build a layout from registrations and, per canonical name, the units that need it.
+
+    Buffers registered outside the block stack are replicated (needed everywhere, listed nowhere).
+    """
+    num_units = stack.num_blocks + 2
+    unit_names: list[list[str]] = [[] for _ in range(num_units)]
+    tied, shared, replicated = [], [], []
     for entries in owners.values():
-        units = sorted({u for u, _ in entries})
+        names = tuple(dict.fromkeys(n for _, n, _ in entries))
+        if len(names) > 1:
+            tied.append(names)
+        canonical = names[0]
+        is_parameter = entries[0][2]
+        in_blocks = any(1 <= u <= stack.num_blocks for u, _, _ in entries)
+        if not is_parameter and not in_blocks:
+            replicated.append(canonical)
+            continue
+        units = sorted(units_of[canonical])
+        for unit in units:
+            unit_names[unit].append(canonical)
         if len(units) > 1:
-            if any(1 <= u <= num_blocks for u in units):
-                raise ValueError(
-                    f"Tensor {[n for _, n in entries]} is shared by several blocks; pipeline stages cannot split it. "
-                    "Only ties between pre and post (tied embeddings) are supported."
-                )
-            tied.append(tuple(n for _, n in entries))
-        seen_units = set()
-        for unit, name in entries:
-            if unit not in seen_units:
-                unit_names[unit].append(name)
-                seen_units.add(unit)
-    return UnitLayout(stack, tuple(tuple(n) for n in unit_names), tuple(tied))
+            shared.append((canonical, tuple(units)))
+    return UnitLayout(stack, tuple(tuple(n) for n in unit_names), tuple(tied), tuple(shared), tuple(replicated))
+
+
+def analyze_units(root: nn.Module, stack: BlockStack) -> UnitLayout:
+    """Assign every parameter and buffer of ``root`` to units by declaration (before any step runs).
+
+    A tensor registered in several units (tied embeddings) is shared by them.
+
+    Raises:
+        ValueError: the stack container holds parameters of its own.
+    """
+    owners = registered_tensors(root, stack)
+    units_of = {entries[0][1]: {u for u, _, _ in entries} for entries in owners.values()}
+    return make_layout(stack, owners, units_of)
 
 
 def tensor_bytes(module: nn.Module, names: tuple[str, ...] | list[str]) -> int:

@@ -54,15 +54,59 @@ def average_gradients(
         _flat_all_reduce(grads, group, dist.ReduceOp.SUM, operation, scale=1.0 / group_size)
 
 
-def sum_tied_gradients(parameters: list[Tensor], group: dist.ProcessGroup) -> None:
-    """Sum the gradients of tied parameters held by both ends of the pipeline."""
-    grads = []
-    for p in parameters:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    if grads:
-        _flat_all_reduce(grads, group, dist.ReduceOp.SUM, "the sum of tied gradients between the pipeline's ends")
+def sum_shared_gradients(
+    shared: list[tuple[Tensor | None, tuple[int, ...]]],
+    pipeline_rank: int,
+    pipeline_ranks: list[int],
+    group: dist.ProcessGroup,
+) -> None:
+    """Sum the gradients of tensors held by several pipeline ranks, so every holder has the total.
+
+    Args:
+        shared: per shared tensor, in one order on every rank: this rank's real parameter (None
+            where it holds none) and the pipeline ranks holding it (sorted).
+        pipeline_rank: this rank's position in the pipeline.
+        pipeline_ranks: global rank of every pipeline rank.
+        group: the pipeline's process group.
+
+    Tensors with the same holders travel in one flat buffer per dtype. The lowest holder receives the
+    others' buffers in rank order, adds them, and sends the sum back: every holder walks the holder
+    sets in the same order, so the exchanges cannot deadlock, and no rank outside a set takes part
+    (a middle stage never allocates the embedding's gradient).
+    """
+    by_holders: dict[tuple[int, ...], list[Tensor]] = {}
+    for param, holders in shared:
+        if len(holders) > 1 and pipeline_rank in holders:
+            assert param is not None and not param.is_meta, "a holder must hold the tensor for real"
+            by_holders.setdefault(tuple(holders), []).append(param)
+    for holders in sorted(by_holders):
+        params = by_holders[holders]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if flat.is_cuda and dist.get_backend(group) == "gloo":  # gloo has no point-to-point for CUDA tensors
+                flat = flat.cpu()
+            lowest = holders[0]
+            with naming_failures(f"the sum of shared gradients among pipeline ranks {list(holders)}", group):
+                if pipeline_rank == lowest:
+                    incoming = torch.empty_like(flat)
+                    for other in holders[1:]:
+                        dist.recv(incoming, src=pipeline_ranks[other], group=group)
+                        flat += incoming
+                    for other in holders[1:]:
+                        dist.send(flat, dst=pipeline_ranks[other], group=group)
+                else:
+                    dist.send(flat, dst=pipeline_ranks[lowest], group=group)
+                    dist.recv(flat, src=pipeline_ranks[lowest], group=group)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
 
 def global_norm(local_squared_sum: Tensor, group: dist.ProcessGroup) -> Tensor:

@@ -1,7 +1,8 @@
 """What every unit of an unchanged module costs, counted on the meta device from its own step function.
 
-:func:`count_units` runs the user's step on the **meta device** (parameters and the batch swapped
-for meta tensors; nothing is allocated, any shape can be probed) with the hooks of
+:func:`count_units` runs the user's step on the **meta device** (parameters swapped for meta
+tensors; the probe batch is a real host tensor, resized from the example, so masks built from it
+stay real and data-dependent checks on them run; nothing else is allocated, any shape can be probed) with the hooks of
 :class:`~lightning_pipe.runtime.unit_tracker.UnitTracker`, which tell which unit (``pre``, a block,
 ``post``) forward runs and backward has reached. Per unit, forward and backward: the FLOPs of every
 ATen op (``torch.utils.flop_counter``'s formulas), the bytes it reads and writes, the number of ops,
@@ -44,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_pipe.model.blocks import BlockStack
+from lightning_pipe.model.placeholders import real_devices
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
 from lightning_pipe.planning.fit import UnitFit, fit_linear_cost
@@ -185,11 +187,26 @@ def _on_meta(root: nn.Module) -> Iterator[list[Tensor]]:
 class _MetaFunctions(TorchFunctionMode):
     """On meta: real tensors meeting meta ones go to meta; attention takes the fused kernel's path.
 
+    The batch stays real, and so does what is computed from it alone: ``device="meta"`` (a mask
+    built on ``embeds.device``) means the batch's device, so data-dependent checks on masks
+    (transformers' ``.all()``) run.
+
     A mode does not see calls made inside a function it handles (``F.multi_head_attention_forward``
     calling ``F.scaled_dot_product_attention``), so while it is active the module attribute
     ``torch.nn.functional.scaled_dot_product_attention`` is replaced too (restored on exit; only
     meta calls are routed).
     """
+
+    def __init__(self, device: torch.device, batch: list[Tensor]) -> None:
+        super().__init__()
+        self.device = device
+        self.meta_of = {id(t): t.detach().to("meta") for t in batch}  # one meta twin per batch tensor
+
+    def _to_meta(self, value: Any) -> Any:
+        if isinstance(value, Tensor) and not value.is_meta:
+            meta = self.meta_of.get(id(value))
+            return value.detach().to("meta") if meta is None else meta
+        return value
 
     def __enter__(self):
         self._original = F.scaled_dot_product_attention
@@ -208,9 +225,10 @@ class _MetaFunctions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        args, kwargs = real_devices(func, args, kwargs, self.device)
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
-            args, kwargs = tree_map(_to_meta, (args, kwargs))
+            args, kwargs = tree_map(self._to_meta, (args, kwargs))
         if func is self._original:
             routed = _fused_attention(*args, **kwargs)
             if routed is not None:
@@ -353,12 +371,13 @@ def count_units(
     for num_sequences, length in shapes:
         tracker = UnitTracker(stack.blocks)
         work = _WorkCounter(tracker, speed)
-        microbatch = resize_microbatch(step_args[0], num_sequences, length, device="meta")
+        microbatch = resize_microbatch(step_args[0], num_sequences, length, device=torch.device("cpu"))
         batch_tensors = [t for t in tree_flatten(microbatch)[0] if isinstance(t, Tensor)]
+        functions = _MetaFunctions(torch.device("cpu"), batch_tensors)
         with _on_meta(root) as params, _silent_log(root), tracker, torch.enable_grad():
-            saved = _SavedCounter(tracker, params + batch_tensors)
+            saved = _SavedCounter(tracker, params + batch_tensors + list(functions.meta_of.values()))
             try:
-                with _MetaFunctions(), work, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                with functions, work, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                     output = getattr(root, step_name)(microbatch, *step_args[1:])
                     loss = step_loss(output)
                     trainable = [p for p in params if p.requires_grad]

@@ -1,12 +1,15 @@
 """Live migration: move units between pipeline ranks between optimizer steps, without loss.
 
-A unit that changes owner travels from one of its old owners to each new owner: its parameters,
-their gradients (inside a gradient-accumulation window), and the optimizer's per-parameter state
+A unit that changes owner travels from one of its old owners to each new owner: its parameters and
+buffers, their gradients (inside a gradient-accumulation window), and the optimizer's per-parameter state
 (for any ``torch.optim`` optimizer: AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's momentum).
 The receiving rank materializes real parameters and puts them in place of its meta ones, in the
 module and in the optimizer (same position in ``param_groups``, so the optimizer is not re-created
 and its indices stay those of the single-process optimizer); the sending rank, if it no longer owns
-the unit, puts meta parameters back and drops their state.
+the unit, puts meta parameters back and drops their state. Shared tensors (used by several units)
+move as pieces of their own (``UnitLayout.pieces``): each rank that newly needs one gets a copy, and
+a rank that still holds one is never overwritten. The same mechanism moves tensors when the layout
+itself changes (units by use, after the first step was observed).
 
 Every rank derives the same list of transfers from the old and new ownership and walks it in the
 same order, each transfer a blocking send/receive pair, so the exchange cannot deadlock.
@@ -30,9 +33,9 @@ from lightning_pipe.model.units import UnitLayout
 
 @dataclass(frozen=True)
 class Transfer:
-    """Unit ``unit`` moves from pipeline rank ``source`` to pipeline rank ``destination``."""
+    """Tensors ``names`` move from pipeline rank ``source`` to pipeline rank ``destination``."""
 
-    unit: int
+    names: tuple[str, ...]
     source: int
     destination: int
 
@@ -54,18 +57,34 @@ class MigrationReport:
     seconds: float
 
 
-def plan_transfers(old_owners: list[set[int]], new_owners: list[set[int]]) -> list[Transfer]:
-    """The transfers that give every unit its new owners, in one global order.
+def holders_of(layout: UnitLayout, unit_owners: list[set[int]]) -> dict[str, frozenset[int]]:
+    """Per tensor name of ``layout``'s pieces, the pipeline ranks that hold it.
 
     Args:
-        old_owners: per unit, the pipeline ranks holding it now.
-        new_owners: per unit, the pipeline ranks that must hold it after.
+        layout: which units need which tensors.
+        unit_owners: per unit, the pipeline ranks running it.
     """
-    transfers = []
-    for unit, (old, new) in enumerate(zip(old_owners, new_owners, strict=True)):
+    holders = {}
+    for names, units in layout.pieces():
+        ranks = frozenset().union(*(unit_owners[u] for u in units))
+        for name in names:
+            holders[name] = ranks
+    return holders
+
+
+def plan_transfers(old_holders: dict[str, frozenset[int]], new_holders: dict[str, frozenset[int]]) -> list[Transfer]:
+    """The transfers that give every tensor its new holders, in one global order.
+
+    A tensor goes to each new holder that does not hold it yet, from its lowest old holder (copies
+    are equal); holders that keep it are never overwritten. Tensors with the same source and
+    destination travel together.
+    """
+    grouped: dict[tuple[int, int], list[str]] = {}
+    for name, new in new_holders.items():
+        old = old_holders.get(name) or new
         for destination in sorted(new - old):
-            transfers.append(Transfer(unit, min(old), destination))
-    return transfers
+            grouped.setdefault((min(old), destination), []).append(name)
+    return [Transfer(tuple(names), source, destination) for (source, destination), names in sorted(grouped.items())]
 
 
 def _tensor_bytes(value: object) -> int:
@@ -83,13 +102,15 @@ class _ParameterIndex:
         self.root = root
         self.optimizers = optimizers
         self.by_name = dict(root.named_parameters(remove_duplicate=False))
+        self.by_name.update(root.named_buffers(remove_duplicate=False))
 
-    def replace(self, old: nn.Parameter, new: nn.Parameter, state: dict | None) -> None:
+    def replace(self, old: Tensor, new: Tensor, state: dict | None) -> None:
         """Put ``new`` wherever ``old`` is referenced; move or drop its optimizer state."""
         for module in self.root.modules():
-            for key, value in module._parameters.items():
-                if value is old:
-                    module._parameters[key] = new
+            for registry in (module._parameters, module._buffers):
+                for key, value in registry.items():
+                    if value is old:
+                        registry[key] = new
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [new if p is old else p for p in group["params"]]
@@ -109,9 +130,8 @@ class _ParameterIndex:
 
 def migrate(
     root: nn.Module,
-    layout: UnitLayout,
     transfers: list[Transfer],
-    keep_units: set[int],
+    keep_names: set[str],
     pipeline_rank: int,
     pipeline_ranks: list[int],
     group: dist.ProcessGroup | None,
@@ -122,9 +142,9 @@ def migrate(
 
     Args:
         root: the user's module, sharded.
-        layout: its units.
         transfers: the pipeline's transfers, identical on every rank.
-        keep_units: units this rank owns after the migration; others it holds become meta.
+        keep_names: tensor names this rank holds after the migration (aliases included); the
+            others it holds become meta.
         pipeline_rank: this rank's position in the pipeline.
         pipeline_ranks: global rank of every pipeline rank.
         group: the pipeline's process group.
@@ -135,15 +155,14 @@ def migrate(
     index = _ParameterIndex(root, optimizers)
     sent = received = 0
     for transfer in transfers:
-        names = layout.unit_names[transfer.unit]
         if transfer.source == pipeline_rank:
             payload = {}
-            for name in names:
-                param = index.by_name[name]
+            for name in transfer.names:
+                tensor = index.by_name[name]
                 payload[name] = {
-                    "data": param.detach().cpu(),
-                    "grad": None if param.grad is None else param.grad.detach().cpu(),
-                    "state": {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in index.state_of(param).items()},
+                    "data": tensor.detach().cpu(),
+                    "grad": None if tensor.grad is None else tensor.grad.detach().cpu(),
+                    "state": {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in index.state_of(tensor).items()},
                 }
             sent += _tensor_bytes(payload)
             dist.send_object_list([payload], dst=pipeline_ranks[transfer.destination], group=group)
@@ -154,23 +173,21 @@ def migrate(
             received += _tensor_bytes(payload)
             for name, entry in payload.items():
                 old = index.by_name[name]
-                new = nn.Parameter(entry["data"].to(device), requires_grad=old.requires_grad)
-                if entry["grad"] is not None:
-                    new.grad = entry["grad"].to(device)
+                new = entry["data"].to(device)
+                if isinstance(old, nn.Parameter):
+                    new = nn.Parameter(new, requires_grad=old.requires_grad)
+                    if entry["grad"] is not None:
+                        new.grad = entry["grad"].to(device)
                 state = {k: v.to(device) if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in entry["state"].items()}
                 index.replace(old, new, state)
-    _drop_released_units(layout, keep_units, index)
+    _drop_released(keep_names, index)
     return MigrationReport(tuple(transfers), sent, received, time.perf_counter() - start)
 
 
-def _drop_released_units(layout: UnitLayout, keep_units: set[int], index: _ParameterIndex) -> None:
-    keep = {name for unit in keep_units for name in layout.unit_names[unit]}
-    for group in layout.tied:
-        if keep.intersection(group):
-            keep.update(group)
-    for unit, names in enumerate(layout.unit_names):
-        for name in names:
-            param = index.by_name[name]
-            if name not in keep and not param.is_meta:
-                meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-                index.replace(param, meta, None)
+def _drop_released(keep: set[str], index: _ParameterIndex) -> None:
+    for name, tensor in list(index.by_name.items()):
+        if name not in keep and not tensor.is_meta:
+            meta = torch.empty_like(tensor, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+            index.replace(tensor, meta, None)

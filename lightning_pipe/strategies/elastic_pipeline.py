@@ -39,6 +39,8 @@ from lightning_pipe.model import (
 from lightning_pipe.model.batch_checks import describe_modules, find_sample_mixing_modules, find_time_major_modules
 from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.model.metrics import MetricStates
+from lightning_pipe.model.observation import check_observation, layout_from_observation
+from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
@@ -53,7 +55,7 @@ from lightning_pipe.runtime.loss_weights import (
     upfront_weights,
 )
 from lightning_pipe.runtime.microbatch import BatchDim, SplitBatch, plan_microbatches
-from lightning_pipe.runtime.migration import MigrationReport, migrate, plan_transfers
+from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
 from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies import checkpointing
@@ -370,7 +372,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._install(PipelinePlan(boundaries, self.schedule, self.num_microbatches))
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
         shard_module(module, self.unit_layout, owned, self.root_device)
-        self.runner = StageRunner(module, stack)
+        self.runner = StageRunner(module, stack, device=self.root_device)
+        self._observed: dict[str, Any] = {}  # step name -> StepObservation (units by use; see _observe)
         self.executor = PipelineExecutor(
             self.runner,
             # autocast does not apply on the meta device: activations carry their real dtypes
@@ -387,7 +390,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         )
         self.memory.setup(self)
         self.costs.setup(self)
-        self._tied = self._tied_parameters()
+        self._shared = self._shared_parameters()
         self._check_time_major(module)  # blocks built in `configure_model` exist now
         self._sample_mixing = bool(find_sample_mixing_modules(module))
         self.metric_states = MetricStates(module, self.groups.data_parallel)
@@ -462,26 +465,84 @@ class ElasticPipelineStrategy(ParallelStrategy):
         Returns:
             What this rank moved (no transfers when only the schedule's order or microbatches changed).
         """
-        pipeline_size = self.pipeline_parallel_size
-        old_owners = _unit_owners(self.boundaries, self.program, pipeline_size, self.unit_layout.num_units)
+        old_holders = holders_of(self.unit_layout, self._unit_owners())
         self._install(plan)
-        new_owners = _unit_owners(self.boundaries, self.program, pipeline_size, self.unit_layout.num_units)
-        transfers = plan_transfers(old_owners, new_owners)
-        keep = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
-        report = migrate(
-            self.lightning_module, self.unit_layout, transfers, keep, self.layout.pipeline_rank,
-            self.layout.pipeline_ranks(), self.groups.pipeline, self.optimizers, self.root_device,
-        )
-        self._tied = self._tied_parameters()
+        report = self._move(self.unit_layout, old_holders)
         self.last_migration = report
         return report
 
-    def _tied_parameters(self) -> list[Tensor]:
-        """Real tied parameters that exist on two ranks (the pipeline's two ends)."""
-        if self.program.rank_of(0) == self.program.rank_of(self.program.num_stages - 1):
-            return []
+    def _unit_owners(self) -> list[set[int]]:
+        return _unit_owners(self.boundaries, self.program, self.pipeline_parallel_size, self.unit_layout.num_units)
+
+    def _move(self, layout: UnitLayout, old_holders: dict[str, frozenset[int]]) -> MigrationReport:
+        """Give every rank the tensors ``layout`` and the installed program say it needs.
+
+        A shared tensor's gradient may be partial on each holder (inside an accumulation window):
+        when holders change, the copies are summed first and the total kept by one holder only, so
+        the sum at the optimizer step stays the batch's gradient.
+        """
+        new_holders = holders_of(layout, self._unit_owners())
+        transfers = plan_transfers(old_holders, new_holders)
+        shared_moves = any(old_holders.get(name) != new_holders.get(name) for name, _ in layout.shared) or any(
+            old_holders.get(name) != new_holders.get(name) for name, _ in self.unit_layout.shared
+        )
+        if shared_moves and self.pipeline_parallel_size > 1:
+            self._sum_shared_gradients()
+        keep = layout.needed_names(owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank)))
+        report = migrate(
+            self.lightning_module, transfers, keep, self.layout.pipeline_rank, self.layout.pipeline_ranks(),
+            self.groups.pipeline, self.optimizers, self.root_device,
+        )
+        self.unit_layout = layout
+        self.runner.parameters_changed()
+        self._shared = self._shared_parameters()
+        if shared_moves:
+            for param, holders in self._shared:
+                if param is not None and param.grad is not None and holders[0] != self.layout.pipeline_rank:
+                    param.grad.zero_()
+        return report
+
+    def _shared_parameters(self) -> list[tuple[Tensor | None, tuple[int, ...]]]:
+        """Per shared parameter (one order on every rank): this rank's real copy or None, and its holders."""
         params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
-        return [params[group[0]] for group in self.unit_layout.tied if params[group[0]].device.type != "meta"]
+        holders = holders_of(self.unit_layout, self._unit_owners())
+        shared = []
+        for name, _ in self.unit_layout.shared_parameters():
+            if name in params:
+                param = params[name] if not params[name].is_meta else None
+                shared.append((param, tuple(sorted(holders[name]))))
+        return shared
+
+    @property
+    def _tied(self) -> list[Tensor]:
+        """Real parameters of this rank that other pipeline ranks hold copies of."""
+        return [p for p, holders in getattr(self, "_shared", []) if p is not None and len(holders) > 1]
+
+    def _sum_shared_gradients(self) -> None:
+        if self.pipeline_parallel_size > 1 and any(len(h) > 1 for _, h in self._shared):
+            collectives.sum_shared_gradients(
+                self._shared, self.layout.pipeline_rank, self.layout.pipeline_ranks(), self.groups.pipeline
+            )
+
+    def _observe(self, step_name: str, args: tuple) -> None:
+        """First run of ``step_name``: see how the step uses blocks and parameters, refuse what stages
+        cannot run exactly, and move to units by use (a collective: every rank observes)."""
+        observation = self.runner.observe(step_name, args)
+        check_observation(observation, self.runner.stack)
+        self._observed[step_name] = observation
+        layout = layout_from_observation(self.lightning_module, self.runner.stack, list(self._observed.values()))
+        digest = (layout.unit_names, layout.shared)
+        if self.world_size > 1:
+            digests = collectives.all_gather_objects(digest, None)
+            if any(d != digest for d in digests):
+                raise RuntimeError(
+                    f"`{step_name}` uses the module's parameters differently on different ranks (seen on its first "
+                    "microbatch): the step's structure must not depend on the data of one rank's batch."
+                )
+        if layout != self.unit_layout:
+            log.info("rank %d: units by use in `%s` differ from declaration; moving tensors", self.global_rank, step_name)
+            report = self._move(layout, holders_of(self.unit_layout, self._unit_owners()))
+            self.last_migration = report
 
     @override
     def model_to_device(self) -> None:
@@ -558,6 +619,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         batch, rest = args[0], args[1:]
         split = self.split_batch(batch)
         plan, microbatches = split.plan, split.microbatches
+        if step_name not in self._observed:
+            self._observe(step_name, (microbatches[0], *rest))
         program = self._program_for(plan.num_microbatches, train)
         steps = [(mb, *rest) for mb in microbatches]
         deferred = None
@@ -747,17 +810,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
         return [p for group in optimizer.param_groups for p in group["params"] if p.device.type != "meta"]
 
     def _synchronize_gradients(self, optimizer: Optimizer) -> None:
-        if self._tied and self.groups.ends is not None:
-            collectives.sum_tied_gradients(self._tied, self.groups.ends)
+        self._sum_shared_gradients()
         collectives.average_gradients(
             self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size,
             operation=f"the gradient average of stages {list(self.spans)} over data-parallel replicas",
         )
 
     def _global_gradient_norm(self, grads: list[Tensor]) -> Tensor:
-        counted_twice = set()
-        if self._tied and self.layout.pipeline_rank != 0:  # the first rank counts tied parameters
-            counted_twice = {id(p.grad) for p in self._tied}
+        counted_twice = {  # a shared parameter's gradient counts once, on its lowest holder
+            id(p.grad) for p, holders in self._shared if p is not None and holders[0] != self.layout.pipeline_rank
+        }
         squares = [g.double().pow(2).sum() for g in grads if id(g) not in counted_twice]
         local = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=self.root_device)
         return collectives.global_norm(local, self.groups.pipeline)

@@ -235,3 +235,113 @@ def time_major_batches(num: int, batch_size: int, length: int, dim: int = 8, cla
         )
         for _ in range(num)
     ]
+
+
+class DirectHeadDecoder(L.LightningModule):
+    """The head is the embedding's own weight, used directly: ``self.norm(h) @ self.embed.weight.T``."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 4, heads: int = 2, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(64, dim) * 0.02)  # a free parameter of the root, used in pre
+        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        idx, targets = batch[:, :-1], batch[:, 1:]
+        h = self.embed(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        logits = self.norm(h) @ self.embed.weight.T
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+
+
+class GatedGPT(TinyGPT):
+    """Free parameters of the root used at later units: a gate applied after block ``gate_at`` (inputs of
+    the next block) and a temperature in the head; the head is declared before the blocks."""
+
+    def __init__(self, layers: int = 4, gate_at: int = 1, **kwargs) -> None:
+        super().__init__(layers=layers, **kwargs)
+        dim, vocab = self.hparams.dim, self.hparams.vocab
+        self.gate_at = gate_at
+        del self.head
+        head = nn.Linear(dim, vocab, bias=False)
+        blocks = self.blocks
+        del self.blocks, self.ln_f, self.wte, self.wpe
+        self.head = head  # declared before everything else
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(64, dim)
+        self.blocks = blocks
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.ln_f = nn.LayerNorm(dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == self.gate_at:
+                x = x * self.gate
+        return self.head(self.ln_f(x)) / self.temperature
+
+
+class LoopedStack(TinyGPT):
+    """Runs its block stack twice per step (weights shared across depth, as looped models do)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for _ in range(2):
+            for block in self.blocks:
+                x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class AuxBlock(Block):
+    """A block that also returns an auxiliary loss (as mixture-of-experts layers do)."""
+
+    def forward(self, x: torch.Tensor):
+        out = super().forward(x)
+        return out, out.pow(2).mean() * 1e-2
+
+
+class AuxLossGPT(TinyGPT):
+    """Sums the blocks' auxiliary losses in its own loop: a value carried across blocks outside their outputs."""
+
+    def __init__(self, layers: int = 4, **kwargs) -> None:
+        super().__init__(layers=0, **kwargs)
+        self.blocks = nn.ModuleList([AuxBlock(self.hparams.dim, self.hparams.heads) for _ in range(layers)])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        idx, targets = batch[:, :-1], batch[:, 1:]
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        aux = 0.0
+        for block in self.blocks:
+            x, block_aux = block(x)
+            aux = aux + block_aux
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) + aux
+
+
+class HookedAuxGPT(TinyGPT):
+    """Collects a statistic of every block's MLP with a forward hook (as router logits are collected) and
+    adds it to the loss: produced inside the blocks, never among their outputs."""
+
+    def __init__(self, layers: int = 4, **kwargs) -> None:
+        super().__init__(layers=layers, **kwargs)
+        self.collected: list[torch.Tensor] = []
+        for block in self.blocks:
+            block.mlp.register_forward_hook(lambda module, args, out: self.collected.append(out.pow(2).mean()))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.collected = []
+        logits = self(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        return loss + 1e-2 * torch.stack(self.collected).sum()

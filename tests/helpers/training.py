@@ -67,6 +67,8 @@ def _merge(group: list) -> Any:
         return group[0]
     if isinstance(group[0], dict):
         return {k: torch.cat([b[k] for b in group]) for k in group[0]}
+    if isinstance(group[0], (tuple, list)):
+        return type(group[0])(torch.cat(parts) for parts in zip(*group))
     return torch.cat(group)
 
 

@@ -32,7 +32,8 @@ def test_finds_the_largest_stack_and_assigns_pre_and_post():
 def test_tied_embeddings_belong_to_pre_and_post():
     layout = analyze_units(model := TinyGPT(tie=True), find_blocks(model))
     assert layout.tied == (("wte.weight", "head.weight"),)
-    assert "wte.weight" in layout.unit_names[0] and "head.weight" in layout.unit_names[-1]
+    assert "wte.weight" in layout.unit_names[0] and "wte.weight" in layout.unit_names[-1]
+    assert layout.shared == (("wte.weight", (0, 5)),) and layout.aliases("head.weight") == ("wte.weight", "head.weight")
 
 
 def test_named_blocks_and_clear_errors():
