@@ -23,13 +23,14 @@ not over the pipeline ranks that hold copies.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
-from torchmetrics import Metric
+from torchmetrics import Metric, MetricCollection
 from torchmetrics.metric import CompositionalMetric
 
 
@@ -168,6 +169,33 @@ class MetricStates:
         if name in self.metrics:
             return self.metrics[name]
         raise KeyError(name)
+
+
+@contextlib.contextmanager
+def metrics_inert(module: nn.Module):
+    """Make every ``Metric`` of ``module`` do nothing while a step runs for another purpose (the
+    first step's observation runs the whole step on placeholder values): ``update`` is skipped,
+    ``forward`` returns a zero instead of updating, so no state changes and no metric kernel sees a
+    placeholder. Collections are made inert as a whole (their compute groups are decided on their
+    first real update, which must not be this one)."""
+    metrics = [m for m in module.modules() if isinstance(m, (Metric, MetricCollection))]
+    # torchmetrics wraps `update` per instance at construction: put back exactly what was there
+    saved = [{k: m.__dict__[k] for k in ("update", "forward") if k in m.__dict__} for m in metrics]
+    for metric in metrics:
+        metric.update = lambda *args, **kwargs: None
+        if isinstance(metric, MetricCollection):
+            metric.forward = lambda *args, **kwargs: {}
+        else:
+            metric.forward = lambda *args, **kwargs: torch.zeros(())
+    try:
+        yield
+    finally:
+        for metric, attributes in zip(metrics, saved):
+            for key in ("update", "forward"):
+                if key in attributes:
+                    metric.__dict__[key] = attributes[key]
+                else:
+                    del metric.__dict__[key]
 
 
 def _to_cpu(value: Any) -> Any:

@@ -38,7 +38,7 @@ from lightning_pipe.model import (
 )
 from lightning_pipe.model.batch_checks import describe_modules, find_sample_mixing_modules, find_time_major_modules
 from lightning_pipe.model.log_calls import reduce_log_calls
-from lightning_pipe.model.metrics import MetricStates
+from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.model.observation import check_observation, layout_from_observation
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
@@ -527,7 +527,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def _observe(self, step_name: str, args: tuple) -> None:
         """First run of ``step_name``: see how the step uses blocks and parameters, refuse what stages
         cannot run exactly, and move to units by use (a collective: every rank observes)."""
-        observation = self.runner.observe(step_name, args)
+        with metrics_inert(self.lightning_module):  # the observation must not update metric states
+            observation = self.runner.observe(step_name, args)
         check_observation(observation, self.runner.stack)
         self._observed[step_name] = observation
         layout = layout_from_observation(self.lightning_module, self.runner.stack, list(self._observed.values()))
