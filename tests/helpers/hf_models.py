@@ -12,9 +12,12 @@ from torch import nn
 
 
 class HFCausalLM(L.LightningModule):
-    """``self.model(input_ids=..., attention_mask=..., labels=...).loss``, as a user writes it."""
+    """``self.model(input_ids=..., attention_mask=..., labels=...).loss``, as a user writes it.
 
-    def __init__(self, family: str = "llama", layers: int = 4, lr: float = 1e-2, attn: str = "sdpa") -> None:
+    SGD with momentum: transformers' loss is float32 even in a float64 model, and Adam would turn
+    float32 rounding of near-zero gradients into ``lr``-sized differences between two correct runs."""
+
+    def __init__(self, family: str = "llama", layers: int = 4, lr: float = 0.1, attn: str = "sdpa") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = build_causal_lm(family, layers, attn)
@@ -25,7 +28,7 @@ class HFCausalLM(L.LightningModule):
         return out.loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
 def build_causal_lm(family: str, layers: int, attn: str = "sdpa") -> nn.Module:
