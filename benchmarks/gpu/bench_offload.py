@@ -25,7 +25,6 @@ checks the script on a CPU: the overlap measurements need CUDA and are skipped t
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import statistics
@@ -40,7 +39,7 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench_overhead import Repeat, StepTimer, make_batch, make_model
+from benchmarks.gpu.bench_overhead import Repeat, StepTimer, make_batch, make_model, model_arguments, parse_model_arguments
 from lightning_pipe import ElasticPipelineStrategy
 
 
@@ -166,24 +165,12 @@ def host_bandwidth(device: torch.device, megabytes: int = 256) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a small model (to check the script on a CPU)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser = model_arguments(__doc__.splitlines()[0], warmup=2, steps=5)
     parser.add_argument("--offload-blocks", type=int, nargs="+", default=[1, 2, 8])
     parser.add_argument("--trace-blocks", type=int, default=2)
     parser.add_argument("--out", default=".")
-    args = parser.parse_args(argv)
+    args = parse_model_arguments(parser, argv)
     if args.tiny:
-        args.layers, args.hidden, args.heads, args.vocab, args.tokens = 2, 64, 4, 256, 64
         args.offload_blocks = [1, 2]
     device = torch.device(args.device)
     out = Path(args.out)

@@ -180,8 +180,9 @@ def lightning_pipe(args, device: torch.device, profile: bool = False) -> tuple[l
     return result, timer.busy
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(description: str, warmup: int, steps: int) -> argparse.ArgumentParser:
+    """The options every GPU benchmark shares: device, model size, microbatches, steps, pairs."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a small model (to check the script on a CPU)")
     parser.add_argument("--layers", type=int, default=8)
@@ -190,13 +191,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per microbatch (one sequence)")
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--json", help="write the results here")
+    return parser
+
+
+def parse_model_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse; ``--tiny`` shrinks the model to check a script on a CPU."""
     args = parser.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.heads, args.vocab, args.tokens = 2, 64, 4, 256, 64
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = model_arguments(__doc__.splitlines()[0], warmup=3, steps=8)
+    parser.add_argument("--json", help="write the results here")
+    args = parse_model_arguments(parser, argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
