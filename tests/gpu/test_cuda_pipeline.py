@@ -71,13 +71,18 @@ def test_float32_parity_within_rounding(tmp_path):
 
 
 def test_bf16_mixed_loss_curve(tmp_path):
-    """bf16 autocast: the activation messages carry bfloat16 (dtype headers); losses track one process."""
-    pipelined, reference = _pair(tmp_path, lambda: TinyGPT(layers=4), _pipeline("zbv"), precision="bf16-mixed")
+    """bf16 autocast: the activation messages carry bfloat16 (dtype headers); losses track one process.
+    SGD, so that parameters differ by what bf16 rounding does to the gradients (Adam would make
+    rounding-level gradients move by ``lr``)."""
+    make = lambda: TinyGPT(layers=4, optimizer="sgd")  # noqa: E731
+    pipelined, reference = _pair(tmp_path, make, _pipeline("zbv"), precision="bf16-mixed")
     pipe, ref = logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "ref", "train_loss")
     worst = max(abs(a - b) / abs(b) for a, b in zip(pipe, ref, strict=True))
     record("bf16-mixed zbv, max relative loss difference per step", worst)
     assert len(pipe) == STEPS and worst < 2e-2
-    assert max_parameter_difference(pipelined, reference) < 5e-2
+    difference = max_parameter_difference(pipelined, reference)
+    record("bf16-mixed zbv, max |param diff| after 3 SGD steps", difference)
+    assert difference < 1e-3
 
 
 def test_activation_offload_and_recompute_are_bit_exact(tmp_path):
