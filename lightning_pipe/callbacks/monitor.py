@@ -7,8 +7,9 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
 * ``pipeline/bubble_ratio``: idle share of the step measured from per-rank busy time (time blocked
   in receives is idle, not busy),
 * ``pipeline/simulated_bubble_ratio``: the bubble the simulator predicts for the same program with
-  this step's measured compute times (free communication); the difference to the measured one is
-  communication, waiting and framework time between actions,
+  this step's measured compute times and message latency (:func:`measured_latency`); the difference
+  to the measured one is what the schedule and a constant latency do not explain (variable waits,
+  framework time between actions),
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
 * ``pipeline/time/{compute,wait,send,between_actions,outside_program}_s``: where the first rank's
   step went (they sum to ``step_s``): its compute actions, blocked in receives, posting sends,
@@ -39,6 +40,7 @@ import os
 import resource
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -138,6 +140,33 @@ def measured_costs(events: list[TimedAction], program: Any) -> ActionCosts:
         backward_input=frozen(ActionType.BACKWARD_INPUT) if split else None,
         backward_weight=frozen(ActionType.BACKWARD_WEIGHT) if split else None,
     )
+
+
+def measured_latency(events: list[TimedAction]) -> float:
+    """Seconds a message takes between ranks in one measured step: the shortest time from a send's
+    start to the moment its consumer had it (the consumer's start, which follows its receive wait).
+
+    A consumer that did not wait started after its message arrived, so each pair bounds the transfer
+    from above; the minimum over the step's messages is the tightest bound (0 without messages).
+    """
+    sends = {(e.action.stage, e.action.microbatch, e.action.type): e for e in events if e.action.type in _SENDS}
+    times = []
+    for e in events:
+        kind = e.action.type
+        if kind is ActionType.FORWARD:
+            send = sends.get((e.action.stage - 1, e.action.microbatch, ActionType.SEND_F))
+        elif kind in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT):
+            send = sends.get((e.action.stage + 1, e.action.microbatch, ActionType.SEND_B))
+        else:
+            continue
+        if send is not None and send.rank != e.rank:
+            times.append(max(0.0, e.start - send.start))
+    return min(times) if times else 0.0
+
+
+def simulate_measured(events: list[TimedAction], program: Any):
+    """The simulation of ``program`` with one measured step's compute times and message latency."""
+    return simulate(program, dataclasses.replace(measured_costs(events, program), latency=measured_latency(events)))
 
 
 def step_breakdown(records: list, step_s: float) -> dict[str, float]:
@@ -288,7 +317,7 @@ class PipelineMonitor(L.Callback):
             if e.action.type in _COMPUTE:
                 stage_compute[e.action.stage] = stage_compute.get(e.action.stage, 0.0) + e.duration
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
-        simulated = simulate(strategy.program, measured_costs(events, strategy.program)) if events else None
+        simulated = simulate_measured(events, strategy.program) if events else None
         recomputed, offloaded = _memory_plan_counts(strategy)
         return StepSummary(
             step=step,
@@ -327,7 +356,7 @@ class PipelineMonitor(L.Callback):
         path = os.path.join(self._directory(trainer), f"pipeline_timeline_step{step}.png")
         render_png(events, path, title=f"measured step {step} (bubble {bubble:.2f})")
         if self.simulated_beside:
-            simulated = simulate(strategy.program, measured_costs(events, strategy.program))
+            simulated = simulate_measured(events, strategy.program)
             beside = path.replace(".png", "_simulated.png")
             render_png(
                 simulated, beside,

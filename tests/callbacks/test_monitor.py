@@ -101,3 +101,21 @@ def test_monitor_refuses_other_strategies():
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     with pytest.raises(TypeError, match="needs `strategy='elastic_pipe'`"):
         PipelineMonitor().setup(trainer, TinyGPT(), "fit")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv", "interleaved_1f1b"])
+def test_message_latency_is_read_back_from_a_step(schedule):
+    """A step whose messages took 0.25 s each is simulated back with that latency, to its makespan."""
+    from lightning_pipe.callbacks.monitor import measured_latency, simulate_measured
+
+    program = resolve_schedule(schedule).build(2, 4)
+    stages = program.num_stages
+    costs = ActionCosts(
+        forward=tuple((1.0, 2.0, 1.5, 1.0) for _ in range(stages)),
+        backward=tuple((2.0, 3.0, 2.5, 2.0) for _ in range(stages)),
+        latency=0.25,
+    )
+    step = simulate(program, costs)
+    assert measured_latency(step.events) == pytest.approx(0.25)
+    assert simulate_measured(step.events, program).makespan == pytest.approx(step.makespan)
+    assert measured_latency([]) == 0.0
