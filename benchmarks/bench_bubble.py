@@ -7,7 +7,7 @@ The example GPT (8 blocks, h=256, vocabulary 256) on fixed-length batches (16 x 
 * ``pipeline/bubble_ratio``: measured idle share of the step (1 - busy / (ranks x makespan), time
   blocked in a receive counted idle),
 * ``pipeline/simulated_bubble_ratio``: what ``schedules.simulate`` predicts for the same program
-  with that same step's measured compute times (communication free),
+  with that same step's measured compute times (communication at the step's measured message latency),
 
 so the difference is what the schedule does not explain (transfers, waiting, framework time between
 actions). Families are rotated over ``--rounds`` rounds in one invocation; the table gives medians.
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                     results[family].setdefault(key, []).extend(values)
     print(f"\nMeasured vs simulated bubble: GPT {args.layers} blocks h={args.hidden}, {args.batch} x {args.tokens} tokens, "
           f"{args.microbatches} microbatches, 2 ranks (gloo, CPU), {args.rounds} rounds x {args.steps - 2} counted steps\n")
-    print("| family | measured bubble | simulated bubble (same step's compute) | difference (points) | tokens/s |")
+    print("| family | measured bubble | simulated bubble (same step's compute and latency) | difference (points) | tokens/s |")
     print("|---|---|---|---|---|")
     for family, values in results.items():
         measured = statistics.median(values["pipeline/bubble_ratio"])
