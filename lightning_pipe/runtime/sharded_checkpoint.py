@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -95,7 +96,9 @@ def load_keys(
         else:
             request[key] = None
         paths[key] = path
-    dcp.load(request, storage_reader=FileSystemReader(directory), process_group=group, no_dist=group is None)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(request, storage_reader=FileSystemReader(directory), process_group=group, no_dist=group is None)
     return {paths[key]: value for key, value in request.items()}
 
 
