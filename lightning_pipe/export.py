@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {target} ({len(checkpoint['state_dict'])} tensors of the module)")
         return
     if args.weights_only:
-        checkpoint = {"state_dict": checkpoint["state_dict"], **{k: v for k, v in checkpoint.items() if k in (
-            "epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name")}}
+        kept = ("state_dict", "epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name")
+        checkpoint = {key: value for key, value in checkpoint.items() if key in kept}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, args.output)
     print(f"wrote {args.output}")

@@ -46,7 +46,9 @@ def create_checkpoint_group(timeout: timedelta | None = None) -> dist.ProcessGro
 
 def save_shards(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
     """Write this rank's ``state`` into ``directory`` (a collective of ``group``)."""
-    dcp.save(state, storage_writer=FileSystemWriter(directory), process_group=group, no_dist=group is None)
+    with warnings.catch_warnings():  # without a group: "assuming the intent is to save in a single process"
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, storage_writer=FileSystemWriter(directory), process_group=group, no_dist=group is None)
 
 
 def start_async_save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> Future:

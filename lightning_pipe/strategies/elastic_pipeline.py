@@ -898,7 +898,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def teardown(self) -> None:
         """Finish an asynchronous save, release the stage runner and move what this rank holds to the CPU
         (meta tensors stay meta)."""
-        self.sharded_checkpoints.wait()
+        try:
+            self.sharded_checkpoints.wait()
+        finally:
+            self._teardown_rest()
+
+    def _teardown_rest(self) -> None:
         if getattr(self, "runner", None) is not None:
             self.runner.remove()
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -287,3 +287,5 @@ def test_data_parallel_checkpoint_resumes_exactly(tmp_path):
     assert_same_parameters(resumed, reference, atol=1e-10)
     resumed, _ = resume(path, data=one_device())
     assert_same_parameters(resumed, reference, atol=1e-10)
+    resumed, _ = resume(path, pipeline(4), devices=4, data=one_device())  # dp 2 -> dp 1, pp 2 -> pp 4
+    assert_same_parameters(resumed, reference, atol=1e-10)
