@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_pipe import ElasticPipelineStrategy  # noqa: E402
+from lightning_pipe import ElasticPipelineStrategy
 
 MiB = 2**20
 

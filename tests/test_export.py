@@ -10,9 +10,9 @@ checkpoints equal one device's.
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
-import lightning as L
 
 from lightning_pipe.export import consolidate_checkpoint, export_safetensors, main
 from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints, local_module_state

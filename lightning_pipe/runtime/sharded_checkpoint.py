@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

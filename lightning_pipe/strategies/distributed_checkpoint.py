@@ -180,7 +180,7 @@ class ShardedCheckpoints:
             try:
                 future.result()
                 self._publish(pending, checkpoint)
-            except BaseException as error:  # raised in the main thread by `wait`
+            except BaseException as error:  # noqa: BLE001 (raised in the main thread by `wait`)
                 pending.error = error
 
         pending.thread = threading.Thread(target=complete, name=f"checkpoint {path.name}", daemon=True)
