@@ -24,7 +24,9 @@ a save interrupted midway leaves the previous checkpoint as it was.
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,9 +171,11 @@ class ShardedCheckpoints:
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[optimizer_key(index)] = optimizer_state
         pending = _PendingSave(path, partial)
+        meta = io.BytesIO()  # serialized now: what the callbacks and loops said at this step
+        torch.save(checkpoint, meta)
         if not self.asynchronous:
             shards.save_shards(state, partial, self.group)
-            self._publish(pending, checkpoint)
+            self._publish(pending, meta.getvalue())
             return
         future = shards.start_async_save(state, partial, self.group)
         del state  # the shards were copied to host memory: training may change the tensors now
@@ -179,7 +183,7 @@ class ShardedCheckpoints:
         def complete() -> None:
             try:
                 future.result()
-                self._publish(pending, checkpoint)
+                self._publish(pending, meta.getvalue())
             except BaseException as error:  # noqa: BLE001 (raised in the main thread by `wait`)
                 pending.error = error
 
@@ -187,10 +191,13 @@ class ShardedCheckpoints:
         self._pending = pending
         pending.thread.start()
 
-    def _publish(self, pending: _PendingSave, meta: dict[str, Any]) -> None:
+    def _publish(self, pending: _PendingSave, meta: bytes) -> None:
         if self.global_rank != 0:
             return
-        torch.save(meta, pending.partial / shards.META_FILENAME)
+        with open(pending.partial / shards.META_FILENAME, "wb") as f:
+            f.write(meta)
+            f.flush()
+            os.fsync(f.fileno())
         shards.publish(pending.partial, pending.path)
         for path in pending.removals:
             shards.remove_path(path)
