@@ -39,3 +39,24 @@ def test_asynchronous_save_copies_the_state_and_defers_the_removal_it_replaces(t
     writer.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.ckpt"]
     assert torch.equal(consolidate_checkpoint(tmp_path / "b.ckpt")["state_dict"]["w"], torch.full((3,), 2.0))
+
+
+def test_async_save_needs_the_sharded_format():
+    import pytest
+
+    from lightning_pipe import ElasticPipelineStrategy
+
+    with pytest.raises(ValueError, match=r"`async_save=True`.*needs `save_distributed_checkpoint=True`"):
+        ElasticPipelineStrategy(save_distributed_checkpoint=False, async_save=True)
+
+
+def test_optimizer_state_of_other_parameters_is_refused_with_the_names():
+    import pytest
+
+    from lightning_pipe.strategies.distributed_checkpoint import _indexed_optimizer_state
+
+    saved = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["a.weight", "b.weight"]}]}
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['c.weight'\], not in the module: \['b.weight'\]"):
+        _indexed_optimizer_state(saved, ["a.weight", "c.weight"], "AdamW")
+    loaded = _indexed_optimizer_state(saved, ["a.weight", "b.weight"], "AdamW")
+    assert loaded["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
