@@ -195,7 +195,7 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        state_dict = self._strategy.lightning_module_state_dict() if fitting else {}  # a collective when fitting
+        state_dict = self._strategy.gather_module_state_dict() if fitting else {}  # a collective when fitting
         if self._strategy.global_rank != 0:
             return None
         weights_path = None

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import torch
@@ -56,9 +57,11 @@ from lightning_pipe.runtime.loss_weights import (
 )
 from lightning_pipe.runtime.microbatch import BatchDim, SplitBatch, plan_microbatches
 from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
+from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
 from lightning_pipe.strategies import _lightning_compat as compat
-from lightning_pipe.strategies import checkpointing
+from lightning_pipe.strategies import checkpointing, distributed_checkpoint
+from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
@@ -124,6 +127,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
         allow_sample_mixing: run modules with batch normalization in training mode, which then
             normalizes over each microbatch's samples instead of the batch's (results differ from
             one device; a warning says so). False: refused.
+        save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
+            writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
+            ``ModelParallelStrategy`` and ``FSDPStrategy`` do), so memory and time scale with a rank's
+            shard; it loads into any pipeline and data-parallel layout, and ``lightning-pipe-export``
+            turns it into one file. False: one consolidated file gathered on global rank 0 (small
+            models). Both load into this strategy whatever wrote them.
+        async_save: write sharded checkpoints on a background thread (after a copy to host memory) so
+            training continues while shards are written; the next save and the end of training wait
+            for it. Only with ``save_distributed_checkpoint=True``.
     """
 
     strategy_name = "elastic_pipe"
@@ -147,6 +159,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         batch_dim: BatchDim | None = None,
         loss_weights: LossWeights = "auto",
         allow_sample_mixing: bool = False,
+        save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
     ) -> None:
         super().__init__()
         check_loss_weights(loss_weights)
@@ -186,6 +200,13 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._warned_sample_mixing = False
         self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
         self._short_programs: dict[int, Program] = {}
+        if async_save and not save_distributed_checkpoint:
+            raise ValueError(
+                "`async_save=True` writes sharded checkpoints on a background thread; it needs "
+                "`save_distributed_checkpoint=True` (a consolidated file is gathered on rank 0 in the step)."
+            )
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self.sharded_checkpoints = ShardedCheckpoints(asynchronous=async_save)
 
     # --- sizes and ranks -----------------------------------------------------------------------
 
@@ -283,6 +304,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.set_world_ranks()
         compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         self.groups = create_process_groups(self.layout, timeout=self._timeout)
+        self.sharded_checkpoints.group = create_checkpoint_group(self._timeout)
+        self.sharded_checkpoints.global_rank = self.global_rank
 
     @property
     def process_group_backend(self) -> str:
@@ -864,7 +887,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         with naming_failures("a reduction of logged values over data-parallel replicas", group):
             return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
 
-    # --- checkpoints (see checkpointing.py) ----------------------------------------------------
+    # --- checkpoints (checkpointing.py: one file; distributed_checkpoint.py: sharded) -------------
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -873,12 +896,22 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict (every stage's tensors, the module's own names) on global rank 0."""
+        """For a checkpoint: this rank's entries (sharded), or the full state dict on global rank 0."""
+        if self._save_distributed_checkpoint:
+            return distributed_checkpoint.local_module_state(self.lightning_module)
+        return checkpointing.full_module_state(self)
+
+    def gather_module_state_dict(self) -> dict[str, Any]:
+        """The whole module's state dict (every stage's tensors, the module's own names) on global rank 0,
+        empty elsewhere: a collective that holds the whole model on one host (for small models)."""
         return checkpointing.full_module_state(self)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's complete state (every stage's entries) on global rank 0, in torch's format."""
+        """For a checkpoint: this rank's state keyed by parameter name (sharded), or the complete state
+        (every stage's entries) on global rank 0 in torch's index format."""
+        if self._save_distributed_checkpoint:
+            return distributed_checkpoint.local_optimizer_state(self, optimizer)
         return checkpointing.full_optimizer_state(self, optimizer)
 
     @override
@@ -888,8 +921,53 @@ class ElasticPipelineStrategy(ParallelStrategy):
         checkpointing.load_owned_optimizer_states(self, checkpoint["optimizer_states"])
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write a sharded checkpoint directory (every rank its own entries) or, with
+        ``save_distributed_checkpoint=False``, one file from global rank 0; both record the plan."""
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint["pipeline"] = distributed_checkpoint.checkpoint_record(self, self._save_distributed_checkpoint)
+        if not self._save_distributed_checkpoint:
+            if self.is_global_zero and is_sharded_checkpoint(path):
+                remove_path(path)
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported with "
+                "`save_distributed_checkpoint=True`: every rank writes its shard through torch.distributed.checkpoint, "
+                "not through the `CheckpointIO` plugin."
+            )
+        self.sharded_checkpoints.save(checkpoint, path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory is read through DCP into this run's layout (each rank reads what it owns
+        now); a single file is read whole by every rank (each keeps its own entries)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if is_sharded_checkpoint(path):
+            return self.sharded_checkpoints.load(self, path)
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint file or directory on global rank 0 (after an asynchronous save in flight
+        is complete, so the checkpoint it replaces is never the only one lost)."""
+        self.sharded_checkpoints.remove(Path(filepath))
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save in flight is written and in place (``async_save=True``)."""
+        self.sharded_checkpoints.wait()
+
+    @override
     def teardown(self) -> None:
-        """Release the stage runner and move what this rank holds to the CPU (meta tensors stay meta)."""
+        """Finish an asynchronous save, release the stage runner and move what this rank holds to the CPU
+        (meta tensors stay meta)."""
+        try:
+            self.sharded_checkpoints.wait()
+        finally:
+            self._teardown_rest()
+
+    def _teardown_rest(self) -> None:
         if getattr(self, "runner", None) is not None:
             self.runner.remove()
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -63,7 +63,7 @@ class SaveFullState(L.Callback):
         self.path = path
 
     def on_train_end(self, trainer, pl_module) -> None:
-        state = trainer.strategy.lightning_module_state_dict()  # a collective
+        state = trainer.strategy.gather_module_state_dict()  # a collective
         if trainer.global_rank == 0:
             import torch
 

@@ -1,4 +1,7 @@
-"""Checkpoints of a pipelined run are one complete file that loads into any layout, and resume exactly.
+"""Consolidated checkpoints (``save_distributed_checkpoint=False``): one complete file that loads into any
+layout, and resumes exactly. The runs resuming from it write the default sharded format, read back
+through ``lightning_pipe.export.read_checkpoint`` (tests/strategies/test_distributed_checkpoints.py tests
+the sharded format itself).
 
 One epoch is two steps and checkpoints are written after every second step: a checkpoint after
 the last batch of epoch 0 resumes at the start of epoch 1, where the pipelined runs and the
@@ -15,6 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_pipe.export import read_checkpoint
 from tests.helpers.loop import ScheduledGPT, loader, pipeline, run
 from tests.helpers.training import assert_same_parameters, token_batches
 
@@ -46,7 +50,8 @@ def assert_same_checkpoint(actual: dict, expected: dict, atol: float = 1e-10) ->
     assert len(actual["optimizer_states"]) == len(expected["optimizer_states"]) == 1
     got_opt, want_opt = actual["optimizer_states"][0], expected["optimizer_states"][0]
     assert got_opt["param_groups"] == want_opt["param_groups"]
-    assert sorted(got_opt["state"]) == sorted(want_opt["state"]) == list(range(len(expected["state_dict"])))
+    num_parameters = sum(len(group["params"]) for group in want_opt["param_groups"])  # tied weights: once
+    assert sorted(got_opt["state"]) == sorted(want_opt["state"]) == list(range(num_parameters))
     for index, state in want_opt["state"].items():
         assert sorted(got_opt["state"][index]) == sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
         for key, value in state.items():
@@ -70,7 +75,10 @@ def _load_plain(path: str) -> ScheduledGPT:
 def saved(tmp_path_factory) -> dict:
     """A pp=2 run of two steps that checkpoints, and the single-process references of 2 and 4 steps."""
     root = tmp_path_factory.mktemp("checkpoints")
-    pipelined, _, _ = run(make, BATCHES, pipeline(2), devices=2, max_steps=2, callbacks=[every_two_steps(root / "pp2")])
+    pipelined, _, _ = run(
+        make, BATCHES, pipeline(2, save_distributed_checkpoint=False), devices=2, max_steps=2,
+        callbacks=[every_two_steps(root / "pp2")],
+    )
     run(make, loader(BATCHES), max_steps=2, callbacks=[every_two_steps(root / "ref2")])
     reference, trainer, _ = run(make, loader(BATCHES), max_steps=4, callbacks=[every_two_steps(root / "ref4")])
     return {
@@ -112,7 +120,7 @@ def test_checkpoint_resumes_exactly_in_another_layout(saved, tmp_path, pp, layou
         callbacks=[every_two_steps(tmp_path)],
     )
     assert_same_parameters(resumed, saved["reference4"], atol=1e-10)
-    assert_same_checkpoint(torch.load(_checkpoint(tmp_path), weights_only=False), saved["expected4"])
+    assert_same_checkpoint(read_checkpoint(_checkpoint(tmp_path)), saved["expected4"])
 
 
 @pytest.mark.timeout(120)
@@ -132,7 +140,7 @@ def test_module_built_empty_on_meta_resumes_exactly(saved, tmp_path):
         model = make()
     assert all(p.is_meta for p in model.parameters())
     trainer.fit(model, loader(BATCHES), ckpt_path=saved["path"])
-    assert_same_checkpoint(torch.load(_checkpoint(tmp_path), weights_only=False), saved["expected4"])
+    assert_same_checkpoint(read_checkpoint(_checkpoint(tmp_path)), saved["expected4"])
     # the main process gets the trained weights back, not its meta placeholders
     trained = model.state_dict()
     for name, expected in saved["expected4"]["state_dict"].items():

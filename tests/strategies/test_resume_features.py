@@ -5,6 +5,9 @@ Each pipelined run checkpoints at step 2 (the end of epoch 0) and is then SIGKIL
 more steps and must equal the uninterrupted run (float64, 1e-10): with optimizer offload (the state
 lives in per-stage host optimizers; fp32 masters of 16-bit parameters; the GradScaler under 16-mixed),
 with memory plans, after migrations, with data parallelism, into other pipeline sizes and into one device.
+The pipelined runs write the default sharded format (a directory, every rank its own entries); the
+checks read it through ``read_checkpoint`` (consolidated in the test process) and the one-device
+resumes use ``lightning-pipe-export``'s consolidated file (a plain Lightning run reads only files).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
+from lightning_pipe.export import main as export_main
+from lightning_pipe.export import read_checkpoint
 from tests.helpers.callbacks import RandomPlans
 from tests.helpers.loop import ScheduledGPT, pipeline, run
 from tests.helpers.training import SEED, assert_same_parameters, token_batches
@@ -66,7 +71,12 @@ def run_killed(directory: Path, strategy, devices: int, data=BATCHES, make_model
 
 
 def resume(path: str, strategy="auto", devices: int = 1, data=BATCHES, make_model=make, callbacks=(), **kwargs):
-    """Resume from ``path`` to step 4; the module (whole, in this process) and the trainer."""
+    """Resume from ``path`` to step 4; the module (whole, in this process) and the trainer. A plain
+    one-device run resumes from the sharded directory's consolidated export (``lightning-pipe-export``)."""
+    if strategy == "auto" and os.path.isdir(path):
+        consolidated = f"{path}.consolidated"
+        export_main([path, consolidated])
+        path = consolidated
     module, trainer, _ = run(
         make_model, data, strategy, devices=devices, max_steps=4, ckpt_path=path, callbacks=list(callbacks), **kwargs
     )
@@ -95,7 +105,7 @@ def offloaded(tmp_path_factory) -> str:
 @pytest.mark.timeout(120)
 def test_checkpoint_with_optimizer_offload_holds_every_state(offloaded, reference):
     """Every parameter's Adam moments and step, read from the host optimizers, equal one device's."""
-    checkpoint = torch.load(offloaded, weights_only=False)
+    checkpoint = read_checkpoint(offloaded)
     assert_same_checkpoint(checkpoint, reference["checkpoint2"])
     assert "master_weights" not in checkpoint["optimizer_states"][0]  # float64 masters are the parameters
 
@@ -121,7 +131,7 @@ def test_optimizer_offload_resumes_fp32_masters_of_bf16_parameters(tmp_path):
         make_bf16, BATCHES, pipeline(2, optimizer_offload=True), devices=2, max_steps=4, precision="bf16-true"
     )
     path = run_killed(tmp_path, pipeline(2, optimizer_offload=True), 2, make_model=make_bf16, precision="bf16-true")
-    masters = torch.load(path, weights_only=False)["optimizer_states"][0]["master_weights"]
+    masters = read_checkpoint(path)["optimizer_states"][0]["master_weights"]
     assert len(masters) == len(list(make().parameters())) and all(m.dtype == torch.float32 for m in masters.values())
     resumed, _ = resume(path, pipeline(2, optimizer_offload=True), 2, make_model=make_bf16, precision="bf16-true")
     assert_same_parameters(resumed, uninterrupted, atol=0)
@@ -145,9 +155,9 @@ def test_optimizer_offload_resumes_the_gradient_scaler_under_16_mixed(tmp_path):
         plugins=[fp16()],
         callbacks=[ModelCheckpoint(tmp_path / "whole", every_n_train_steps=4)],
     )
-    uninterrupted = torch.load(_only_file(tmp_path / "whole"), weights_only=False)
+    uninterrupted = read_checkpoint(_only_file(tmp_path / "whole"))
     path = run_killed(tmp_path / "killed", pipeline(2, optimizer_offload=True), 2, plugins=[fp16()])
-    saved_scale = torch.load(path, weights_only=False)["MixedPrecision"]["scale"]
+    saved_scale = read_checkpoint(path)["MixedPrecision"]["scale"]
     assert saved_scale == 2.0**12  # grew at each of the two steps
     resume(
         path,
@@ -156,7 +166,7 @@ def test_optimizer_offload_resumes_the_gradient_scaler_under_16_mixed(tmp_path):
         plugins=[fp16()],
         callbacks=[ModelCheckpoint(tmp_path / "resumed", every_n_train_steps=4)],
     )
-    resumed = torch.load(_only_file(tmp_path / "resumed"), weights_only=False)
+    resumed = read_checkpoint(_only_file(tmp_path / "resumed"))
     assert resumed["MixedPrecision"] == uninterrupted["MixedPrecision"]
     assert_same_checkpoint(resumed, uninterrupted, atol=0)
 
@@ -187,7 +197,7 @@ def test_torch_transformer_encoder_with_optimizer_offload_resumes_exactly(tmp_pa
     make_encoder = lambda: TorchEncoderLM().double()  # noqa: E731
     uninterrupted, _, _ = run(make_encoder, BATCHES, max_steps=4)
     path = run_killed(tmp_path, pipeline(2, optimizer_offload=True), 2, make_model=make_encoder)
-    assert len(torch.load(path, weights_only=False)["optimizer_states"][0]["state"]) == len(
+    assert len(read_checkpoint(path)["optimizer_states"][0]["state"]) == len(
         list(make_encoder().parameters())
     )
     resumed, _ = resume(path, pipeline(2, optimizer_offload=True), 2, make_model=make_encoder)
@@ -204,7 +214,7 @@ def test_memory_plan_run_resumes_exactly(tmp_path, reference):
     """Recompute and activation offload: nothing of them is state, the checkpoint is the plain one."""
     options = {"recompute": "full", "offload": True}
     path = run_killed(tmp_path, pipeline(2, **options), devices=2)
-    assert_same_checkpoint(torch.load(path, weights_only=False), reference["checkpoint2"])
+    assert_same_checkpoint(read_checkpoint(path), reference["checkpoint2"])
     resumed, _ = resume(path, pipeline(2, **options), devices=2)
     assert_same_parameters(resumed, reference["module4"], atol=1e-10)
 
@@ -221,7 +231,7 @@ def migrated(tmp_path_factory) -> str:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pp", [2, 4, 1], ids=["pp2-migrating", "pp4", "one-device"])
 def test_checkpoint_after_migrations_resumes_exactly(migrated, reference, pp):
-    assert_same_checkpoint(torch.load(migrated, weights_only=False), reference["checkpoint2"])
+    assert_same_checkpoint(read_checkpoint(migrated), reference["checkpoint2"])
     if pp == 1:
         resumed, _ = resume(migrated)
     else:
@@ -272,8 +282,10 @@ def test_data_parallel_checkpoint_resumes_exactly(tmp_path):
     )
     expected2 = torch.load(tmp_path / "ref" / "epoch=0-step=2.ckpt", weights_only=False)
     path = run_killed(tmp_path / "killed", pipeline(2), devices=4, data=replicas())
-    assert_same_checkpoint(torch.load(path, weights_only=False), expected2)
+    assert_same_checkpoint(read_checkpoint(path), expected2)
     resumed, _ = resume(path, pipeline(2), devices=4, data=replicas())
     assert_same_parameters(resumed, reference, atol=1e-10)
     resumed, _ = resume(path, data=one_device())
+    assert_same_parameters(resumed, reference, atol=1e-10)
+    resumed, _ = resume(path, pipeline(4), devices=4, data=one_device())  # dp 2 -> dp 1, pp 2 -> pp 4
     assert_same_parameters(resumed, reference, atol=1e-10)
