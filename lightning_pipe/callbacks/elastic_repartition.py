@@ -298,6 +298,24 @@ class ElasticRepartition(L.Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         log.debug("ElasticRepartition: %s", step)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the next plans depend on (saved in checkpoints by Lightning): the recent batches'
+        microbatch shapes, the measured/predicted time scale and the migration times seen."""
+        return {
+            "recent": [[dataclasses.asdict(shape) for shape in shapes] for shapes in self._recent],
+            "time_scale": self._time_scale,
+            "time_scale_count": self._time_scale_count,
+            "migration_seconds": list(self._migration_seconds),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue planning where a checkpointed run left off."""
+        self._recent.clear()
+        self._recent.extend(tuple(MicrobatchShape(**shape) for shape in shapes) for shapes in state_dict["recent"])
+        self._time_scale = float(state_dict["time_scale"])
+        self._time_scale_count = int(state_dict["time_scale_count"])
+        self._migration_seconds = list(state_dict["migration_seconds"])
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Finish a plan still running in the background."""
         if self._job is not None:

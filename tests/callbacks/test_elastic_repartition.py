@@ -156,3 +156,18 @@ def test_the_attention_heavy_model_moves_the_four_stage_partition():
     model = _attention_heavy_model()
     plans = {plan_partition(model, [MicrobatchShape.from_lengths([n])] * 4, "1f1b", 4).boundaries for n in (7, 61)}
     assert len(plans) == 2
+
+
+def test_planner_state_survives_a_checkpoint():
+    """Lightning saves a callback's `state_dict`: a resumed planner sees the same recent batches and
+    time scale as the uninterrupted one, so it keeps planning the same way."""
+    from lightning_pipe.planning.cost_model import MicrobatchShape
+
+    planner = ElasticRepartition(recent_steps=3)
+    for lengths in ([4, 9], [16], [2, 2, 7], [5]):
+        planner._recent.append((MicrobatchShape.from_lengths(lengths),))
+    planner._time_scale, planner._time_scale_count, planner._migration_seconds = 1.7, 5, [0.25]
+    resumed = ElasticRepartition(recent_steps=3)
+    resumed.load_state_dict(planner.state_dict())
+    assert list(resumed._recent) == list(planner._recent) and len(resumed._recent) == 3
+    assert (resumed._time_scale, resumed._time_scale_count, resumed._migration_seconds) == (1.7, 5, [0.25])
