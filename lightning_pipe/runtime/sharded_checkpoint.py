@@ -12,6 +12,7 @@ about Lightning; ``strategies/distributed_checkpoint.py`` builds the state dicts
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -163,16 +164,15 @@ def remove_path(path: Path) -> None:
 
 
 def _fsync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable where the filesystem can (best effort: some filesystems do
+    not open or fsync directories, and the rename itself is still atomic there)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def load_all(directory: Path) -> dict[str, Any]:
