@@ -21,12 +21,14 @@ The split is checked, not assumed:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
 from torch import Tensor
+
+from lightning_pipe.runtime.padding import Padding, find_padding
 
 BatchDim = Union[int, Mapping[Any, Union[int, None]], Callable[[tuple, Any], Union[int, None]]]
 """Where a batch's tensors keep their samples: one dimension for all, a mapping from an item's key
@@ -64,15 +66,21 @@ class MicrobatchPlan:
         sample_ranges: ``(start, end)`` of each microbatch's samples, in order.
         weights: each microbatch's share of the batch's loss, summing to 1: its share of samples
             (the loss weighting of the step may replace it, see ``runtime/loss_weights.py``).
-        lengths: the length each microbatch runs at; None: as the batch gives it (no trimming).
+        windows: per microbatch, the ``(start, end)`` positions its padded tensors keep along
+            dimension 1 (each microbatch at its own length, ``runtime/padding.py``); None: all.
         items: how every leaf of the batch is cut.
+        order: the batch's samples in the order they are cut into ``sample_ranges`` (grouped by
+            length); None: as the batch gives them.
+        padding: where the batch's real tokens are, when the plan cuts padding.
     """
 
     batch_size: int
     sample_ranges: tuple[tuple[int, int], ...]
     weights: tuple[float, ...]
-    lengths: tuple[int | None, ...]
+    windows: tuple[tuple[int, int] | None, ...]
     items: tuple[BatchItem, ...]
+    order: tuple[int, ...] | None = None
+    padding: Padding | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -84,13 +92,39 @@ class MicrobatchPlan:
         """Samples of each microbatch."""
         return [end - start for start, end in self.sample_ranges]
 
+    @property
+    def lengths(self) -> list[int | None]:
+        """The length each microbatch runs at (None: the batch's own)."""
+        return [None if w is None else w[1] - w[0] for w in self.windows]
+
+    def samples(self, microbatch: int) -> list[int]:
+        """Indices in the batch of the samples of ``microbatch``."""
+        start, end = self.sample_ranges[microbatch]
+        return list(self.order[start:end]) if self.order is not None else list(range(start, end))
+
     def split(self, batch: Any) -> list[Any]:
         """Cut ``batch`` (the batch this plan was made for) into its microbatches."""
         cut = {item.path: item for item in self.items}
-        return [_rebuild(batch, (), cut, start, end) for start, end in self.sample_ranges]
+        if self.order is not None:
+            batch = _rebuild(batch, (), cut, _Reorder(self.order))
+        trimmed = {item.path for item in self.items if self.padding is not None and item.path in self.padding.items}
+        return [
+            _rebuild(batch, (), cut, _Cut(start, end, window, trimmed))
+            for (start, end), window in zip(self.sample_ranges, self.windows, strict=True)
+        ]
+
+    def untrimmed(self) -> MicrobatchPlan:
+        """The same samples per microbatch at the batch's full length."""
+        return dataclasses.replace(self, windows=(None,) * len(self.windows))
 
 
-def plan_microbatches(batch: Any, num_microbatches: int, batch_dim: BatchDim = 0) -> MicrobatchPlan:
+def plan_microbatches(
+    batch: Any,
+    num_microbatches: int,
+    batch_dim: BatchDim = 0,
+    trim_padding: bool = False,
+    group_by_length: bool = False,
+) -> MicrobatchPlan:
     """Plan the microbatches of ``batch``: ``num_microbatches`` of them, or one per sample if fewer.
 
     Samples go to microbatches in order; the first ``B % num_microbatches`` take one more
@@ -100,6 +134,10 @@ def plan_microbatches(batch: Any, num_microbatches: int, batch_dim: BatchDim = 0
         batch: what the dataloader yields (tensors in tuples, lists, mappings, dataclasses).
         num_microbatches: microbatches wanted.
         batch_dim: where the tensors keep their samples (see :data:`BatchDim`).
+        trim_padding: cut each microbatch's padded tensors to its own real tokens (a batch with an
+            ``attention_mask`` or ``labels``, batch dimension 0; ``runtime/padding.py``).
+        group_by_length: with ``trim_padding``, first order the samples by their real length
+            (longest first), so that each microbatch holds sequences of similar length.
 
     Raises:
         ValueError: the tensors disagree on the batch size, an item has no such dimension, no
@@ -143,7 +181,27 @@ def plan_microbatches(batch: Any, num_microbatches: int, batch_dim: BatchDim = 0
             items[index] = BatchItem(item.path, SEQUENCE)
     ranges = sample_ranges(batch_size, num_microbatches)
     weights = tuple((end - start) / batch_size for start, end in ranges)
-    return MicrobatchPlan(batch_size, ranges, weights, (None,) * len(ranges), tuple(items))
+    plan = MicrobatchPlan(batch_size, ranges, weights, (None,) * len(ranges), tuple(items))
+    if trim_padding and batch_dim == 0:
+        plan = _trimmed(plan, dict(leaves), group_by_length)
+    return plan
+
+
+def _trimmed(plan: MicrobatchPlan, leaves: dict[tuple, Any], group_by_length: bool) -> MicrobatchPlan:
+    """``plan`` with each microbatch cut to its real tokens (unchanged if the batch shows no padding)."""
+    padding = find_padding(leaves, [item.path for item in plan.items if item.kind == TENSOR and item.dim == 0])
+    if padding is None or not padding.items:
+        return plan
+    order = None
+    if group_by_length and plan.num_microbatches > 1:
+        lengths = padding.content_lengths()
+        ranked = tuple(sorted(range(plan.batch_size), key=lambda i: -lengths[i]))  # stable: ties keep their order
+        order = ranked if ranked != tuple(range(plan.batch_size)) else None
+    plan = dataclasses.replace(plan, order=order, padding=padding)
+    windows = tuple(padding.window(plan.samples(mb)) for mb in range(plan.num_microbatches))
+    if all(w is None for w in windows) and order is None:
+        return dataclasses.replace(plan, padding=None)
+    return dataclasses.replace(plan, windows=windows)
 
 
 def sample_ranges(batch_size: int, num_microbatches: int) -> tuple[tuple[int, int], ...]:
@@ -207,27 +265,59 @@ def _holds_tensors(value: Any) -> bool:
     return isinstance(attributes, dict) and any(isinstance(v, Tensor) for v in attributes.values())
 
 
-def _rebuild(value: Any, path: tuple, cut: dict[tuple, BatchItem], start: int, end: int) -> Any:
+@dataclass(frozen=True)
+class _Cut:
+    """One microbatch: samples ``start:end`` and, for the padded tensors, positions ``window``."""
+
+    start: int
+    end: int
+    window: tuple[int, int] | None
+    trimmed: set
+
+    def tensor(self, path: tuple, value: Tensor, dim: int) -> Tensor:
+        value = value.narrow(dim, self.start, self.end - self.start)
+        if self.window is not None and path in self.trimmed:
+            value = value.narrow(1, self.window[0], self.window[1] - self.window[0])
+        return value
+
+    def sequence(self, value: Any) -> Any:
+        return value[self.start:self.end]
+
+
+@dataclass(frozen=True)
+class _Reorder:
+    """The whole batch with its samples in ``order``."""
+
+    order: tuple[int, ...]
+
+    def tensor(self, path: tuple, value: Tensor, dim: int) -> Tensor:
+        return value.index_select(dim, torch.tensor(self.order, device=value.device))
+
+    def sequence(self, value: Any) -> Any:
+        return type(value)(value[i] for i in self.order)
+
+
+def _rebuild(value: Any, path: tuple, cut: dict[tuple, BatchItem], how: _Cut | _Reorder) -> Any:
     item = cut.get(path)
     if item is not None:
         if item.kind == TENSOR:
-            return value.narrow(item.dim, start, end - start)
+            return how.tensor(path, value, item.dim)
         if item.kind == SEQUENCE:
-            return value[start:end]
+            return how.sequence(value)
         return value
     if isinstance(value, Mapping):
-        parts = {key: _rebuild(v, path + (key,), cut, start, end) for key, v in value.items()}
+        parts = {key: _rebuild(v, path + (key,), cut, how) for key, v in value.items()}
         try:
             return type(value)(parts)
         except TypeError:  # a mapping type without a dict constructor
             return parts
     if _is_namedtuple(value):
-        return type(value)(*(_rebuild(v, path + (i,), cut, start, end) for i, v in enumerate(value)))
+        return type(value)(*(_rebuild(v, path + (i,), cut, how) for i, v in enumerate(value)))
     if isinstance(value, (list, tuple)):
-        return type(value)(_rebuild(v, path + (i,), cut, start, end) for i, v in enumerate(value))
+        return type(value)(_rebuild(v, path + (i,), cut, how) for i, v in enumerate(value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {
-            f.name: _rebuild(getattr(value, f.name), path + ("." + f.name,), cut, start, end)
+            f.name: _rebuild(getattr(value, f.name), path + ("." + f.name,), cut, how)
             for f in dataclasses.fields(value) if f.init
         }
         return dataclasses.replace(value, **changes)

@@ -76,11 +76,14 @@ class StrategyCosts:
         Raises:
             ValueError: ``lengths_fn`` gives another number of lengths than the batch has samples.
         """
-        lengths = [int(n) for n in (lengths_fn or sequence_lengths)(batch)]
-        plan = self._strategy.split_batch(batch).plan
+        split = self._strategy.split_batch(batch)
+        plan = split.plan
+        if lengths_fn is None:  # the length each microbatch runs at (its own when padding is cut)
+            return [[int(n) for n in sequence_lengths(mb)] for mb in split.microbatches]
+        lengths = [int(n) for n in lengths_fn(batch)]
         if len(lengths) != plan.batch_size:
             raise ValueError(f"`lengths_fn` returned {len(lengths)} lengths for a batch of {plan.batch_size} samples.")
-        return [lengths[start:end] for start, end in plan.sample_ranges]
+        return [[lengths[i] for i in plan.samples(mb)] for mb in range(plan.num_microbatches)]
 
     def replica_values(self, value: Any) -> list[Any]:
         """``value`` of every data-parallel replica, in replica order (a collective when dp > 1)."""

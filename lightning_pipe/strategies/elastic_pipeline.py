@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -55,7 +55,8 @@ from lightning_pipe.runtime.loss_weights import (
     raw_weight,
     upfront_weights,
 )
-from lightning_pipe.runtime.microbatch import BatchDim, SplitBatch, plan_microbatches
+from lightning_pipe.runtime.microbatch import BatchDim, MicrobatchPlan, SplitBatch, plan_microbatches
+from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
 from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
@@ -127,6 +128,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
         allow_sample_mixing: run modules with batch normalization in training mode, which then
             normalizes over each microbatch's samples instead of the batch's (results differ from
             one device; a warning says so). False: refused.
+        trim_padding: cut each training microbatch of a padded batch (an ``attention_mask`` or
+            ``-100`` labels, as transformers' collators pad) to its own real tokens, on either side,
+            so a microbatch of short sequences runs short. Checked, not assumed: the first batch of
+            each padding layout runs one microbatch cut and uncut and compares every block output
+            and the loss; a model whose result depends on the padding runs uncut, with one log line
+            saying why. See the user guide.
+        group_by_length: with ``trim_padding``, order a batch's samples by length before cutting it
+            into microbatches, so each microbatch holds sequences of similar length (the batch's
+            loss, sum of gradients and logged means do not depend on which samples run together).
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
             writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
             ``ModelParallelStrategy`` and ``FSDPStrategy`` do), so memory and time scale with a rank's
@@ -159,6 +169,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         batch_dim: BatchDim | None = None,
         loss_weights: LossWeights = "auto",
         allow_sample_mixing: bool = False,
+        trim_padding: bool = True,
+        group_by_length: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
     ) -> None:
@@ -197,6 +209,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._batch_dim = batch_dim
         self.loss_weights = loss_weights
         self._allow_sample_mixing = allow_sample_mixing
+        self._trim_padding = trim_padding
+        self._group_by_length = group_by_length
+        self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._warned_sample_mixing = False
         self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
         self._short_programs: dict[int, Program] = {}
@@ -583,11 +598,18 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def split_batch(self, batch: Any) -> SplitBatch:
+    def split_batch(self, batch: Any, train: bool | None = None) -> SplitBatch:
         """The microbatch plan of ``batch`` and its microbatches, cut once.
 
         The step, the memory planner, the cost probes and the profilers all call this; the latest
         batches' splits are kept, so a batch a callback looked at is not cut again by the step.
+        Training batches with padding are cut to each microbatch's real tokens (``trim_padding``),
+        their samples grouped by length (``group_by_length``), unless the check of their layout
+        found that the model's result depends on the padding.
+
+        Args:
+            batch: the batch.
+            train: whether it is a training batch; None: whether the trainer is training.
 
         Raises:
             ValueError: the batch cannot be cut unambiguously (``runtime/microbatch.py``).
@@ -595,10 +617,41 @@ class ElasticPipelineStrategy(ParallelStrategy):
         for seen, split in self._splits:
             if seen is batch:
                 return split
-        plan = plan_microbatches(batch, self.num_microbatches, 0 if self._batch_dim is None else self._batch_dim)
-        split = SplitBatch(plan, plan.split(batch))
-        self._splits = [(batch, split)] + self._splits[:1]
+        if train is None:
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            train = bool(trainer is not None and trainer.training)
+        plan = self._plan_microbatches(batch, trim=train and self._trim_padding)
+        if plan.padding is not None and not self.trim_verdicts.get(plan.padding.layout, TrimVerdict(True)).exact:
+            plan = self._plan_microbatches(batch, trim=False)
+        return self._keep_split(batch, SplitBatch(plan, plan.split(batch)))
+
+    def _plan_microbatches(self, batch: Any, trim: bool) -> MicrobatchPlan:
+        batch_dim = 0 if self._batch_dim is None else self._batch_dim
+        return plan_microbatches(batch, self.num_microbatches, batch_dim, trim, trim and self._group_by_length)
+
+    def _keep_split(self, batch: Any, split: SplitBatch) -> SplitBatch:
+        self._splits = [(batch, split)] + [(b, s) for b, s in self._splits if b is not batch][:1]
         return split
+
+    def _check_trimming(self, step_name: str, batch: Any, rest: tuple, split: SplitBatch) -> SplitBatch:
+        """First batch of a padding layout: check that cutting it is exact (a collective of the
+        pipeline); if not, run untrimmed from now on and say why once."""
+        layout = split.plan.padding.layout
+        verdict = check_trimming(
+            split.plan, batch, rest, step_name, self.runner, self.executor,
+            lambda count: self._program_for(count, train=False), self.spans,
+            self.groups.pipeline if self.pipeline_parallel_size > 1 else None,
+        )
+        self.trim_verdicts[layout] = verdict
+        if verdict.exact:
+            return split
+        rank_zero_info(
+            f"lightning-pipe: microbatches keep their padding (no trimming), because {verdict.reason} when cut to "
+            "its real tokens. Give positions in the batch (`position_ids`), mask padding out of attention and "
+            "label it -100; or pass `trim_padding=False` to silence this check."
+        )
+        plan = self._plan_microbatches(batch, trim=False)
+        return self._keep_split(batch, SplitBatch(plan, plan.split(batch)))
 
     def _program_for(self, num_microbatches: int, train: bool) -> Program:
         """The program for this step: the plan's, or one for a short batch's fewer microbatches."""
@@ -641,10 +694,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     def _run(self, step_name: str, args: tuple, train: bool) -> Any:
         batch, rest = args[0], args[1:]
-        split = self.split_batch(batch)
-        plan, microbatches = split.plan, split.microbatches
+        split = self.split_batch(batch, train)
         if step_name not in self._observed:
-            self._observe(step_name, (microbatches[0], *rest))
+            self._observe(step_name, (split.microbatches[0], *rest))
+        if split.plan.padding is not None and split.plan.padding.layout not in self.trim_verdicts:
+            split = self._check_trimming(step_name, batch, rest, split)
+        plan, microbatches = split.plan, split.microbatches
         program = self._program_for(plan.num_microbatches, train)
         steps = [(mb, *rest) for mb in microbatches]
         deferred = None

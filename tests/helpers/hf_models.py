@@ -23,7 +23,10 @@ class HFCausalLM(L.LightningModule):
         self.model = build_causal_lm(family, layers, attn)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        out = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+            position_ids=batch.get("position_ids"),
+        )
         self.log("train_loss", out.loss)
         return out.loss
 

@@ -15,7 +15,7 @@ def test_samples_in_order_first_microbatches_one_larger():
     plan = plan_microbatches(torch.arange(10).view(10, 1), 4)
     assert plan.sample_ranges == ((0, 3), (3, 6), (6, 8), (8, 10))
     assert plan.sizes == [3, 3, 2, 2] and sum(plan.weights) == pytest.approx(1.0)
-    assert plan.lengths == (None,) * 4
+    assert plan.lengths == [None] * 4 and plan.windows == (None,) * 4
 
 
 def test_fewer_samples_than_microbatches_gives_one_microbatch_per_sample():

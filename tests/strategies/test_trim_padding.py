@@ -1,0 +1,168 @@
+"""Each microbatch at its own length: padded batches are cut to each microbatch's real tokens.
+
+Parity in float64 against one device on the whole padded batch (transformers Llama and GPT-2,
+right and left padding, samples grouped by length), and the check that refuses to cut where the
+model's result depends on the padding (positions numbered over the padded length, a mean over
+every position) and runs those uncut, still exact.
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import ElasticPipelineStrategy
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, reference_batches
+
+pytest.importorskip("transformers")
+from tests.helpers.hf_models import HFCausalLM  # noqa: E402
+
+STEPS = 3
+HF_ATOL = 1e-7  # transformers' loss is float32 inside a float64 model (tests/strategies/test_real_models.py)
+
+
+class RecordMicrobatches(L.Callback):
+    """Global rank 0 writes, per step, the length each microbatch ran at and the checks' verdicts."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0:
+            strategy = trainer.strategy
+            plan = strategy.split_batch(batch, train=True).plan
+            verdicts = {str(k): [v.exact, v.reason] for k, v in strategy.trim_verdicts.items()}
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"lengths": plan.lengths, "order": plan.order, "verdicts": verdicts}) + "\n")
+
+
+def _records(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def padded_batches(
+    lengths: list[list[int]], side: str = "right", positions: bool = False, label_first: bool = True, vocab: int = 64
+) -> list[dict]:
+    """One batch per list of real lengths, padded to its longest on ``side``; optionally with
+    ``position_ids`` counting from each sample's first real token, and the first token unlabelled."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for real in lengths:
+        T = max(real)
+        mask = torch.zeros(len(real), T, dtype=torch.long)
+        for i, n in enumerate(real):
+            if side == "right":
+                mask[i, :n] = 1
+            else:
+                mask[i, T - n :] = 1
+        ids = torch.randint(1, vocab, (len(real), T), generator=generator).masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, -100)
+        if not label_first:
+            labels[torch.arange(len(real)), mask.argmax(dim=1)] = -100
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if positions:
+            batch["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
+        batches.append(batch)
+    return batches
+
+
+LENGTHS = [[12, 3, 5, 2, 9, 4, 2, 7], [6, 14, 2, 3, 3, 8, 5, 2], [4, 4, 11, 2, 6, 3, 9, 2]]
+
+
+def _strategy(schedule="1f1b", **kwargs) -> ElasticPipelineStrategy:
+    return ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, schedule=schedule, start_method=START_METHOD, **kwargs
+    )
+
+
+def _parity(make, batches, strategy, path, atol):
+    pipelined = fit(make, batches, strategy, devices=2, steps=STEPS, callbacks=[RecordMicrobatches(path)])
+    reference = fit(make, reference_batches(batches, 1), steps=STEPS)
+    assert_same_parameters(pipelined, reference, atol=atol)
+    return _records(path)
+
+
+@pytest.mark.parametrize(("family", "schedule"), [("llama", "1f1b"), ("gpt2", "zbv")])
+def test_right_padding_is_cut_per_microbatch_and_exact(tmp_path, family, schedule):
+    records = _parity(
+        lambda: HFCausalLM(family, layers=4).double(), padded_batches(LENGTHS), _strategy(schedule),
+        tmp_path / "mb.jsonl", HF_ATOL,
+    )
+    first = records[0]
+    assert all(v[0] for v in first["verdicts"].values()) and len(first["verdicts"]) == 1
+    # grouped by length, longest first: the microbatches run at 12, 7, 4 and 2 positions, not 12 each
+    assert first["lengths"] == [None, 7, 4, 2]
+    assert first["order"] == [0, 4, 7, 2, 5, 1, 3, 6]
+
+
+def test_without_grouping_each_microbatch_keeps_its_longest(tmp_path):
+    records = _parity(
+        lambda: HFCausalLM("llama", layers=4).double(), padded_batches(LENGTHS),
+        _strategy(group_by_length=False), tmp_path / "mb.jsonl", HF_ATOL,
+    )
+    assert records[0]["order"] is None and records[0]["lengths"] == [None, 5, 9, 7]
+
+
+def test_left_padding_with_positions_from_the_batch_is_cut(tmp_path):
+    """transformers shifts labels inside the model: with left padding the last pad's logit predicts
+    the first real token, which a cut microbatch no longer has (the check sees that too). Unlabelled
+    first tokens and positions from the batch make cutting exact."""
+    records = _parity(
+        lambda: HFCausalLM("llama", layers=4).double(),
+        padded_batches(LENGTHS, "left", positions=True, label_first=False),
+        _strategy(), tmp_path / "mb.jsonl", HF_ATOL,
+    )
+    assert all(v[0] for v in records[0]["verdicts"].values()) and records[0]["lengths"] == [None, 7, 4, 2]
+
+
+def test_left_padding_with_positions_from_arange_is_detected_and_runs_uncut(tmp_path):
+    """Llama numbers positions 0..T-1 over the padded length when the batch gives none: cutting the
+    left padding would move every real token's position. The check sees it; training stays exact."""
+    records = _parity(
+        lambda: HFCausalLM("llama", layers=4).double(), padded_batches(LENGTHS, "left"), _strategy(),
+        tmp_path / "mb.jsonl", HF_ATOL,
+    )
+    (exact, reason), = records[0]["verdicts"].values()
+    assert not exact and "differs at the real tokens" in reason
+    assert all(r["lengths"] == [None] * 4 and r["order"] is None for r in records)
+
+
+class MeanPooledClassifier(L.LightningModule):
+    """Averages the hidden states over every position, padding included (a real bug of the model,
+    but its result is what one device computes, so the pipeline must compute it too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x.mean(dim=1))
+        return nn.functional.cross_entropy(logits, batch["input_ids"][:, 0] % 3)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def test_a_mean_over_padded_positions_is_detected_and_runs_uncut(tmp_path):
+    records = _parity(lambda: MeanPooledClassifier().double(), padded_batches(LENGTHS), _strategy(), tmp_path / "mb.jsonl", 1e-10)
+    (exact, reason), = records[0]["verdicts"].values()
+    assert not exact and "returns" in reason
+    assert all(r["lengths"] == [None] * 4 for r in records)
+
+
+def test_trim_padding_false_keeps_every_microbatch_whole(tmp_path):
+    records = _parity(
+        lambda: HFCausalLM("llama", layers=4).double(), padded_batches(LENGTHS), _strategy(trim_padding=False),
+        tmp_path / "mb.jsonl", HF_ATOL,
+    )
+    assert all(r["lengths"] == [None] * 4 and not r["verdicts"] for r in records)
