@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_pipe.model.blocks import BlockStack
 from lightning_pipe.model.placeholders import PlaceholderMode, describe_sources, find_tainted
+from lightning_pipe.model.shape_rules import ShapeRules, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,6 @@ class StageResult:
     outputs: list[Tensor] = field(default_factory=list)
     step_output: Any = None
     logs: list[LogCall] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    shape: torch.Size
-    dtype: torch.dtype
 
 
 class _StageBoundary(BaseException):
@@ -203,6 +198,9 @@ class StageRunner:
         self.device = device
         self._twins = [_meta_twin(block) for block in stack.blocks]
         self._shape_memo: dict[tuple[int, Any], tuple[list[Any], Any]] = {}  # (block, signature) -> output
+        self.shape_rules = ShapeRules()
+        self.predict_shapes = False  # new sizes from shape rules instead of probes (the sender describes its tensors)
+        self.probes = 0  # meta-device runs of blocks so far (the cost shape rules save)
         self._active: _ActiveRun | None = None
         self._parameter_names: dict[int, str] | None = None  # id(parameter) -> name, for sources
         self._originals = []
@@ -288,15 +286,19 @@ class StageRunner:
     def _meta_output(self, index: int, args: tuple, kwargs: dict, force: bool = False) -> Any:
         key = (index, _signature((args, kwargs)))
         memo = None if force else self._shape_memo.get(key)
+        if memo is None and self.predict_shapes and not force:
+            memo = self.shape_rules.predict(index, (args, kwargs))
         if memo is None:
+            self.probes += 1
             with torch.no_grad():
                 output = self._twins[index](*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
             leaves, spec = tree_flatten(output)
-            memo = ([_TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
+            memo = ([TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
             self._shape_memo[key] = memo
+            self.shape_rules.observe(index, (args, kwargs), memo)
         described, spec = memo
         leaves = [
-            torch.empty(item.shape, dtype=item.dtype, device="meta") if isinstance(item, _TensorSpec) else item
+            torch.empty(item.shape, dtype=item.dtype, device="meta") if isinstance(item, TensorSpec) else item
             for item in described
         ]
         return tree_unflatten(leaves, spec)

@@ -47,6 +47,9 @@ class StepWork:
             ``StepOutcome.loss_records``.
         loss_weight: given (microbatch, its loss record), a further factor for its loss, decided
             when its forward has run (``runtime/loss_weights.raw_weight``); None: none.
+        describe_shapes: microbatches have their own lengths: activations travel with their shapes,
+            and stages learn the shapes of blocks they do not run instead of probing each new
+            length (``model/shape_rules.py``). Every rank of the pipeline must pass the same.
     """
 
     step_name: str
@@ -55,6 +58,7 @@ class StepWork:
     block_wrapper: Callable[[int, int], BlockWrapper | None] | None = None
     count_losses: bool = False
     loss_weight: Callable[[int, LossRecord], Any] | None = None
+    describe_shapes: bool = False
 
 
 @dataclass
@@ -137,6 +141,7 @@ class PipelineExecutor:
         self._local_activations: dict[tuple[int, int], list[Tensor]] = {}
         self._local_gradients: dict[tuple[int, int], list[Tensor]] = {}
         outcome = StepOutcome()
+        self.runner.predict_shapes = work.describe_shapes
         me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
         try:
             for action in program.actions[self.pipeline_rank]:
@@ -156,6 +161,7 @@ class PipelineExecutor:
             except PeerFailure as failure:
                 raise failure.located(f"{me}, at the end of the step,") from failure.cause
         finally:
+            self.runner.predict_shapes = False
             self._slots = {}
             self._local_activations = {}
             self._local_gradients = {}
@@ -174,7 +180,8 @@ class PipelineExecutor:
         elif kind is ActionType.BACKWARD_WEIGHT:
             self._backward_weight(stage, mb)
         elif kind is ActionType.SEND_F:
-            self.p2p.send(self._slot(action).result.outputs, self._peer(stage + 1), ACTIVATION, stage, mb)
+            outputs = self._slot(action).result.outputs
+            self.p2p.send(outputs, self._peer(stage + 1), ACTIVATION, stage, mb, describe=self._work.describe_shapes)
         elif kind is ActionType.SEND_B:
             self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1), GRADIENT, stage, mb)
         elif kind in (ActionType.RECV_F, ActionType.RECV_B):
@@ -220,11 +227,17 @@ class PipelineExecutor:
         if local is None:
             shapes = [(m.shape, m.dtype) for m in metas]
             started = time.perf_counter()
-            local = self.p2p.receive(shapes, self._peer(stage - 1), ACTIVATION, stage - 1, mb, self.device)
+            local = self.p2p.receive(
+                shapes, self._peer(stage - 1), ACTIVATION, stage - 1, mb, self.device, describe=self._work.describe_shapes
+            )
             self._waited += time.perf_counter() - started
         received = []
         for meta, tensor in zip(metas, local, strict=True):
-            if tensor.shape != meta.shape:
+            if tensor.shape != meta.shape and self._work.describe_shapes:
+                # the sizes were predicted (model/shape_rules.py) and the sender's are the truth
+                for block in range(self._spans[stage].first_block):
+                    self.runner.shape_rules.forget(block)
+            elif tensor.shape != meta.shape:
                 raise RuntimeError(
                     f"Stage {stage} microbatch {mb}: received shape {tuple(tensor.shape)} but the step expects "
                     f"{tuple(meta.shape)} at its first block."

@@ -9,6 +9,9 @@ The receiver allocates buffers from the shapes and dtypes it predicted on the me
 autocast that prediction can be wrong about dtypes (autocast does not apply to meta tensors: a
 block ending in a linear layer outputs bfloat16 for real but float32 on meta), so with
 ``send_dtypes`` every activation message is preceded by a small header with its tensors' dtypes.
+A step whose microbatches have their own lengths sends the header with the shapes too
+(``describe=True`` on both sides): the receiver then allocates what was sent, whatever it
+predicted (predictions of new shapes are learned, not probed: ``model/shape_rules.py``).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from lightning_pipe.runtime.failures import PeerFailure
 
 ACTIVATION = 0
 GRADIENT = 1
-DTYPES = 2  # the dtype header of an activation message
+HEADER = 2  # dtypes (and shapes) of an activation message's tensors
 _KINDS = 3
-_KIND_NAMES = {ACTIVATION: "activations", GRADIENT: "gradients", DTYPES: "activation dtypes"}
+_KIND_NAMES = {ACTIVATION: "activations", GRADIENT: "gradients", HEADER: "activation header"}
 _MAX_LEAVES = 64
+_MAX_DIMS = 8  # dimensions a described tensor may have
 _MAX_STAGES = 256
 
 
@@ -70,13 +74,13 @@ class PointToPoint:
     timeout: timedelta | None = None
     _pending_peers: list[tuple[int, int, int, int]] = field(default_factory=list, repr=False)
 
-    def send(self, tensors: list[Tensor], dst: int, kind: int, stage: int, microbatch: int) -> None:
-        """Post asynchronous sends of ``tensors`` to global rank ``dst``."""
-        if self.send_dtypes and kind == ACTIVATION and tensors:
+    def send(self, tensors: list[Tensor], dst: int, kind: int, stage: int, microbatch: int, describe: bool = False) -> None:
+        """Post asynchronous sends of ``tensors`` to global rank ``dst``; ``describe``: precede
+        activations with their shapes (the receiver must pass ``describe`` too)."""
+        if (self.send_dtypes or describe) and kind == ACTIVATION and tensors:
             device = "cpu" if self.host_staging else tensors[0].device
-            codes = torch.tensor([_DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int64, device=device)
-            tag = message_tag(DTYPES, stage, microbatch, 0)
-            self._post(codes, dst, tag, (dst, DTYPES, stage, microbatch))
+            header = _header(tensors, describe).to(device)
+            self._post(header, dst, message_tag(HEADER, stage, microbatch, 0), (dst, HEADER, stage, microbatch))
         for leaf, tensor in enumerate(tensors):
             payload = tensor.detach().contiguous()
             if self.host_staging:
@@ -106,7 +110,7 @@ class PointToPoint:
     def _fail(self, peer: tuple[int, int, int, int], receiving: bool, error: RuntimeError):
         rank, kind, stage, microbatch = peer
         # the peer's stage: the sender's for receives (``stage``), the next or previous for sends
-        peer_stage = stage if receiving else stage + 1 if kind in (ACTIVATION, DTYPES) else stage - 1
+        peer_stage = stage if receiving else stage + 1 if kind in (ACTIVATION, HEADER) else stage - 1
         raise PeerFailure(rank, peer_stage, _KIND_NAMES[kind], microbatch, receiving, self.timeout, error) from error
 
     def receive(
@@ -117,18 +121,19 @@ class PointToPoint:
         stage: int,
         microbatch: int,
         device: torch.device,
+        describe: bool = False,
     ) -> list[Tensor]:
         """Receive tensors of the given shapes from global rank ``src``, blocking until they arrive.
 
         ``stage`` is the *sending* stage, as in :meth:`send`. With ``send_dtypes``, the dtypes of
-        activations are the sender's, whatever ``shapes`` says.
+        activations are the sender's, whatever ``shapes`` says; with ``describe``, their shapes too.
         """
         wire = torch.device("cpu") if self.host_staging else device
-        if self.send_dtypes and kind == ACTIVATION and shapes:
-            codes = torch.empty(len(shapes), dtype=torch.int64, device=wire)
-            peer = (src, DTYPES, stage, microbatch)
-            self._wait(self._irecv(codes, src, message_tag(DTYPES, stage, microbatch, 0), peer), peer, receiving=True)
-            shapes = [(shape, _DTYPE_LIST[code]) for (shape, _), code in zip(shapes, codes.tolist(), strict=True)]
+        if (self.send_dtypes or describe) and kind == ACTIVATION and shapes:
+            header = torch.empty(_header_size(len(shapes), describe), dtype=torch.int64, device=wire)
+            peer = (src, HEADER, stage, microbatch)
+            self._wait(self._irecv(header, src, message_tag(HEADER, stage, microbatch, 0), peer), peer, receiving=True)
+            shapes = _read_header(header.tolist(), shapes, describe)
         buffers = [torch.empty(shape, dtype=dtype, device=wire) for shape, dtype in shapes]
         peer = (src, kind, stage, microbatch)
         works = [
@@ -153,3 +158,33 @@ class PointToPoint:
         finally:
             self.pending.clear()
             self._pending_peers.clear()
+
+
+def _header_size(leaves: int, describe: bool) -> int:
+    return leaves * (2 + _MAX_DIMS) if describe else leaves
+
+
+def _header(tensors: list[Tensor], describe: bool) -> Tensor:
+    """Per tensor its dtype code, and with ``describe`` its rank and sizes (padded to a fixed size)."""
+    if not describe:
+        return torch.tensor([_DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int64)
+    values = []
+    for tensor in tensors:
+        if tensor.dim() > _MAX_DIMS:
+            raise ValueError(f"A tensor of {tensor.dim()} dimensions cannot cross a stage boundary (at most {_MAX_DIMS}).")
+        sizes = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
+        values += [_DTYPE_CODES[tensor.dtype], tensor.dim(), *sizes]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _read_header(
+    values: list[int], shapes: list[tuple[torch.Size, torch.dtype]], describe: bool
+) -> list[tuple[torch.Size, torch.dtype]]:
+    if not describe:
+        return [(shape, _DTYPE_LIST[code]) for (shape, _), code in zip(shapes, values, strict=True)]
+    width = 2 + _MAX_DIMS
+    described = []
+    for leaf in range(len(shapes)):
+        code, ndim, *sizes = values[leaf * width : (leaf + 1) * width]
+        described.append((torch.Size(sizes[:ndim]), _DTYPE_LIST[code]))
+    return described

@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -212,6 +213,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._trim_padding = trim_padding
         self._group_by_length = group_by_length
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
+        self._shapes_vary = False  # see _lengths_vary
+        self._last_shapes: list[tuple[int, ...]] | None = None
         self._warned_sample_mixing = False
         self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
         self._short_programs: dict[int, Program] = {}
@@ -729,12 +732,23 @@ class ElasticPipelineStrategy(ParallelStrategy):
         else:
             weights = list(plan.weights)
             work = StepWork(step_name, steps, count_losses=True)
+        work.describe_shapes = self._lengths_vary(plan, microbatches)
         if self.metric_states and self._runs_last_stage():
             self.metric_states.begin()
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
             outcome = self.executor.run(program, self.spans, work)
         self.last_outcome = outcome
         return self._share_outcome(outcome, plan, weights, train, deferred)
+
+    def _lengths_vary(self, plan: MicrobatchPlan, microbatches: list[Any]) -> bool:
+        """Whether activations travel with their shapes: from the first step whose microbatches are
+        cut to their own lengths, or whose shapes differ from the step before (then for good: the
+        data's lengths vary). Every pipeline rank sees the same batches, so all decide alike."""
+        shapes = [tuple(t.shape) for t in tree_flatten(microbatches[0])[0] if isinstance(t, Tensor)]
+        if any(w is not None for w in plan.windows) or (self._last_shapes is not None and shapes != self._last_shapes):
+            self._shapes_vary = True
+        self._last_shapes = shapes
+        return self._shapes_vary
 
     def _last_stage_rank(self) -> int:
         """Global rank of this replica's last stage."""

@@ -32,12 +32,15 @@ class RecordMicrobatches(L.Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
         if trainer.global_rank == 0:
-            strategy = trainer.strategy
             plan = strategy.split_batch(batch, train=True).plan
             verdicts = {str(k): [v.exact, v.reason] for k, v in strategy.trim_verdicts.items()}
             with open(self.path, "a") as f:
                 f.write(json.dumps({"lengths": plan.lengths, "order": plan.order, "verdicts": verdicts}) + "\n")
+        if trainer.global_rank == trainer.world_size - 1:  # the last stage probes the blocks before it
+            with open(f"{self.path}.probes", "a") as f:
+                f.write(f"{strategy.runner.probes}\n")
 
 
 def _records(path) -> list[dict]:
@@ -74,15 +77,16 @@ def padded_batches(
 LENGTHS = [[12, 3, 5, 2, 9, 4, 2, 7], [6, 14, 2, 3, 3, 8, 5, 2], [4, 4, 11, 2, 6, 3, 9, 2]]
 
 
-def _strategy(schedule="1f1b", **kwargs) -> ElasticPipelineStrategy:
+def _strategy(schedule="1f1b", stages=2, **kwargs) -> ElasticPipelineStrategy:
     return ElasticPipelineStrategy(
-        pipeline_parallel_size=2, num_microbatches=4, schedule=schedule, start_method=START_METHOD, **kwargs
+        pipeline_parallel_size=stages, num_microbatches=4, schedule=schedule, start_method=START_METHOD, **kwargs
     )
 
 
-def _parity(make, batches, strategy, path, atol):
-    pipelined = fit(make, batches, strategy, devices=2, steps=STEPS, callbacks=[RecordMicrobatches(path)])
-    reference = fit(make, reference_batches(batches, 1), steps=STEPS)
+def _parity(make, batches, strategy, path, atol, devices=2):
+    steps = len(batches)
+    pipelined = fit(make, batches, strategy, devices=devices, steps=steps, callbacks=[RecordMicrobatches(path)])
+    reference = fit(make, reference_batches(batches, 1), steps=steps)
     assert_same_parameters(pipelined, reference, atol=atol)
     return _records(path)
 
@@ -166,3 +170,19 @@ def test_trim_padding_false_keeps_every_microbatch_whole(tmp_path):
         tmp_path / "mb.jsonl", HF_ATOL,
     )
     assert all(r["lengths"] == [None] * 4 and not r["verdicts"] for r in records)
+
+
+def test_four_stages_learn_the_shapes_of_new_lengths_instead_of_probing(tmp_path):
+    """Six batches, every microbatch at its own length: later stages predict the shapes of the blocks
+    before them from two probes (model/shape_rules.py), activations carry their sizes; exact."""
+    lengths = [[3 + (7 * k + 5 * i) % 13 for i in range(8)] for k in range(6)]
+    path = tmp_path / "mb.jsonl"
+    records = _parity(
+        lambda: HFCausalLM("llama", layers=4).double(), padded_batches(lengths), _strategy(stages=4), path,
+        HF_ATOL, devices=4,
+    )
+    distinct = {n for r in records for n in r["lengths"] if n is not None}
+    assert len(distinct) >= 6
+    probes = [int(line) for line in open(f"{path}.probes")]
+    # the last stage runs block 3 and probes blocks 0-2; without rules that is 3 probes per new length
+    assert probes[-1] < 3 * len(distinct)
