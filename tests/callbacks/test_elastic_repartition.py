@@ -171,3 +171,20 @@ def test_planner_state_survives_a_checkpoint():
     resumed.load_state_dict(planner.state_dict())
     assert list(resumed._recent) == list(planner._recent) and len(resumed._recent) == 3
     assert (resumed._time_scale, resumed._time_scale_count, resumed._migration_seconds) == (1.7, 5, [0.25])
+
+
+class _HostReadGPT(TinyGPT):
+    """Reads the loss on the host inside the step (``loss.item()``), as some users log it."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.print_value = loss.item()
+        return loss
+
+
+def test_a_step_the_meta_cost_probe_cannot_run_names_the_measured_alternative():
+    batches = _alternating_batches(2, 1)
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2, start_method=START_METHOD)
+    with pytest.raises(Exception, match=r"(?s)meta-device cost probe.*PipelineProfiler.*cost_model="):
+        fit(lambda: _HostReadGPT(vocab=VOCAB).double(), batches, strategy, devices=2, steps=2,
+            callbacks=[ElasticRepartition()])

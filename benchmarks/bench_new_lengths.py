@@ -1,0 +1,157 @@
+"""What a new length costs: steps whose microbatches each have a new length vs one fixed length.
+
+lightning-pipe (2 processes, 1F1B, the ``DecoderLM`` of ``bench_varlen.py``) trains on batches of
+``--batch`` sequences in ``--microbatches`` microbatches. In every row a step computes the same
+number of positions:
+
+  fixed         every sequence ``--length`` tokens: one shape for the whole run.
+  new-lengths   the sequences of microbatch ``i`` have ``--length + d_i`` real tokens, right-padded
+                to the batch's longest, with offsets ``d_i`` that sum to zero and change every step,
+                so almost every microbatch has a length not seen before; each microbatch is cut to its
+                own length (``trim_padding``), activations carry their shapes, and later stages
+                predict the shapes of the blocks before them (``model/shape_rules.py``).
+  probe-always  as ``new-lengths`` with shape prediction switched off in the worker (the behaviour
+                before shape rules: a meta-device probe of every earlier block per new length).
+
+The rows alternate, order flipping every pair, ``--pairs`` times; the table gives the median step
+time of each row and the median over pairs of each row's time relative to ``fixed``.
+
+    python benchmarks/bench_new_lengths.py --pairs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.bench_varlen import DecoderLM, pad  # noqa: E402
+
+CONFIGS = ("fixed", "new-lengths", "probe-always")
+
+
+def make_batches(args: argparse.Namespace, varying: bool) -> list[dict]:
+    generator = torch.Generator().manual_seed(args.seed)
+    per_mb = args.batch // args.microbatches
+    batches = []
+    for step in range(args.warmup + args.steps):
+        offsets = [0] * args.microbatches
+        if varying:  # distinct offsets summing to zero, new every step
+            base = [(step * 7 + 3 * i) % (2 * args.spread + 1) - args.spread for i in range(args.microbatches)]
+            mean = sum(base) / len(base)
+            offsets = [round(b - mean) for b in base]
+            offsets[-1] -= sum(offsets)
+        real = [args.length + offsets[i // per_mb] for i in range(args.batch)]
+        batches.append(pad(real, max(real), generator))
+    return batches
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    from lightning_pipe import ElasticPipelineStrategy
+
+    if args.worker == "probe-always":
+        from lightning_pipe.model.shape_rules import ShapeRules
+
+        ShapeRules.predict = lambda self, block, arguments: None  # the behaviour before shape rules
+    torch.set_num_threads(1)
+    batches = make_batches(args, varying=args.worker != "fixed")
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.start, self.seconds = 0.0, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            dist.barrier()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            dist.barrier()
+            if batch_idx >= args.warmup:
+                self.seconds.append(time.perf_counter() - self.start)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            Path(args.out, f"{args.worker}-rank{trainer.global_rank}.json").write_text(json.dumps(self.seconds))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=args.warmup + args.steps, limit_val_batches=0, num_sanity_val_steps=0,
+        strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=args.microbatches),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Timer()], use_distributed_sampler=False,
+    )
+    torch.manual_seed(args.seed)
+    trainer.fit(DecoderLM(args.layers, args.width, args.heads), torch.utils.data.DataLoader(batches, batch_size=None))
+
+
+def launch(config: str, args: argparse.Namespace, out: str) -> float:
+    """Median step seconds of ``config`` (slowest rank per step), run in fresh processes."""
+    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+             ("steps", "warmup", "batch", "microbatches", "length", "spread", "layers", "width", "heads", "seed")]
+    command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
+    ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob(f"{config}-rank*.json"))]
+    if completed.returncode != 0 or len(ranks) != 2:
+        raise SystemExit(f"{config} failed:\n{completed.stderr[-3000:]}")
+    for path in Path(out).glob(f"{config}-rank*.json"):
+        path.unlink()
+    return statistics.median(max(pair) for pair in zip(*ranks))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--length", type=int, default=96, help="mean real length of a sequence")
+    parser.add_argument("--spread", type=int, default=24, help="largest offset of a microbatch's length")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    load_before = os.getloadavg()[0]
+    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory() as out:
+        for pair in range(args.pairs):
+            for config in CONFIGS if pair % 2 == 0 else CONFIGS[::-1]:
+                times[config].append(launch(config, args, out))
+                print(f"pair {pair}: {config:13s} {times[config][-1] * 1e3:8.1f} ms/step", flush=True)
+    table = Table(title="What a new length per microbatch costs (lightning-pipe, pp=2, 1F1B)")
+    for column in ("rows", "median ms/step", "vs fixed (median over pairs)", "per pair"):
+        table.add_column(column, justify="left" if column == "rows" else "right")
+    for config in CONFIGS:
+        ratios = [t / f for t, f in zip(times[config], times["fixed"])]
+        table.add_row(config, f"{statistics.median(times[config]) * 1e3:.1f}", f"{statistics.median(ratios):.3f}",
+                      " ".join(f"{r:.3f}" for r in ratios))
+    Console(width=140).print(table)
+    print(f"How: `python {' '.join(sys.argv)}` on {os.cpu_count()} CPU cores ({platform.machine()}), torch "
+          f"{torch.__version__}, gloo, 2 processes x 1 thread; DecoderLM layers={args.layers} width={args.width}; "
+          f"{args.batch} sequences of {args.length}+-{args.spread} tokens, {args.microbatches} microbatches, "
+          f"{args.steps} timed steps after {args.warmup}; 1-minute load before: {load_before:.2f}.")
+
+
+if __name__ == "__main__":
+    main()
