@@ -66,6 +66,8 @@ class RepartitionStep:
         migration_seconds: wall seconds of the migration, maximum over ranks (0 without one).
         planning_seconds: wall seconds spent planning this batch (in the background if looked ahead).
         looked_ahead: whether the plan was made while the previous batch ran.
+        planning_waited_seconds: wall seconds this batch waited for its plan before the step (the
+            planning not hidden behind the previous step).
     """
 
     batch_idx: int
@@ -80,6 +82,7 @@ class RepartitionStep:
     migration_seconds: float
     planning_seconds: float
     looked_ahead: bool
+    planning_waited_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,9 @@ class ElasticRepartition(L.Callback):
         shapes = tuple(costs.shapes(costs.heaviest([e[0] for e in everyone])))
         key = _PlanKey(model, shapes, tuple(strategy.boundaries), strategy.schedule, tuple(self._recent))
         looked_ahead = self._job is not None and self._job.key == key
+        waited = time.perf_counter()
         plan = self._job.join() if looked_ahead else self._plan(key)
+        waited = time.perf_counter() - waited  # planning on the step's critical path
         if self._job is not None and not looked_ahead:
             self._job.join()  # a stale plan (the schedule or partition changed since): drop it
         self._job = None
@@ -245,6 +250,7 @@ class ElasticRepartition(L.Callback):
             decision=decision,
             report=report,
             planning_seconds=plan.seconds,
+            planning_waited_seconds=waited,
             looked_ahead=looked_ahead,
             started=time.perf_counter(),
         )
@@ -281,6 +287,7 @@ class ElasticRepartition(L.Callback):
             migration_seconds=migration_seconds,
             planning_seconds=pending["planning_seconds"],
             looked_ahead=pending["looked_ahead"],
+            planning_waited_seconds=pending["planning_waited_seconds"],
         )
         self.history.append(step)
         metrics = {f"elastic/boundary{k}": float(b) for k, b in enumerate(step.boundaries)}
@@ -292,6 +299,7 @@ class ElasticRepartition(L.Callback):
                 "elastic/migrated_bytes": float(step.migrated_bytes),
                 "elastic/migration_s": step.migration_seconds,
                 "elastic/planning_s": step.planning_seconds,
+                "elastic/planning_waited_s": step.planning_waited_seconds,
                 "elastic/looked_ahead": float(step.looked_ahead),
             }
         )
