@@ -11,6 +11,8 @@ key-padding mask, token-averaged cross-entropy), the same in every row. Rows:
   torch-rebuilt    Schedule1F1B, each batch padded to its own longest sequence; the stage and the
                    schedule are rebuilt for every new length and kept per length (what a careful
                    torch user does: torch's stages fix their shapes).
+  torch-bucketed   as ``torch-rebuilt`` with each batch padded up to a multiple of ``--bucket``
+                   tokens, so that few lengths (and stage rebuilds) occur.
   ddp              ``DistributedDataParallel``, each rank half of every batch, padded to its own longest.
   lp-padded        lightning-pipe 1F1B, ``trim_padding=False``: microbatches at the batch's length.
   lp               lightning-pipe 1F1B, defaults: each microbatch cut to its own real tokens, samples
@@ -59,6 +61,7 @@ sys.path.insert(0, str(REPO_ROOT))
 CONFIGS = {
     "torch-max": "torch Schedule1F1B, padded to the trace max",
     "torch-rebuilt": "torch Schedule1F1B, padded per batch, rebuilt per length",
+    "torch-bucketed": "torch Schedule1F1B, padded to a multiple of --bucket",
     "ddp": "torch DDP, padded per rank batch",
     "lp-padded": "lightning-pipe 1F1B, trim_padding=False",
     "lp": "lightning-pipe 1F1B (defaults)",
@@ -157,10 +160,13 @@ def pad(real: list[int], length: int, generator: torch.Generator) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def make_batches(args: argparse.Namespace, to_max: bool = False) -> list[dict]:
-    """Every step's batch: each padded to its longest sequence, or to the trace's maximum."""
+def make_batches(args: argparse.Namespace, to_max: bool = False, bucket: int = 1) -> list[dict]:
+    """Every step's batch: each padded to its longest sequence (rounded up to a multiple of
+    ``bucket``), or to the trace's maximum."""
     generator = torch.Generator().manual_seed(args.seed)
-    return [pad(real, args.max_len if to_max else max(real), generator) for real in trace_lengths(args)]
+    lengths = trace_lengths(args)
+    return [pad(real, args.max_len if to_max else min(args.max_len, -(-max(real) // bucket) * bucket), generator)
+            for real in lengths]
 
 
 def real_tokens(batch: dict) -> int:
@@ -227,7 +233,7 @@ def run_torch_rank(rank: int, args: argparse.Namespace, store: str, out: str, co
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
-    batches = make_batches(args, to_max=config == "torch-max")
+    batches = make_batches(args, to_max=config == "torch-max", bucket=args.bucket if config == "torch-bucketed" else 1)
     model = build_model(args)
     half = args.layers // 2
     module = FirstStage(model, half) if rank == 0 else LastStage(model, half)
@@ -335,7 +341,8 @@ def launch(config: str, args: argparse.Namespace, out: str) -> float:
     for path in Path(out).glob(f"{config}-*"):
         path.unlink()
     flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-             ("steps", "warmup", "batch", "microbatches", "trace", "median", "max_len", "layers", "width", "heads", "seed")]
+             ("steps", "warmup", "batch", "microbatches", "trace", "median", "max_len", "bucket", "layers", "width",
+              "heads", "seed")]
     command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
@@ -358,6 +365,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", choices=["flan", "github"], default="flan")
     parser.add_argument("--median", type=int, default=64, help="median sequence length of the scaled trace")
     parser.add_argument("--max-len", type=int, default=512, help="longest sequence (the trace is capped here)")
+    parser.add_argument("--bucket", type=int, default=64, help="torch-bucketed pads up to a multiple of this")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
