@@ -83,7 +83,8 @@ def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer
     assert max(logged(tmp_path, "elastic/looked_ahead")) == 1.0  # later batches were planned in the background
     assert all(s >= 0 for s in logged(tmp_path, "elastic/planning_s"))
     waited, planned = logged(tmp_path, "elastic/planning_waited_s"), logged(tmp_path, "elastic/planning_s")
-    assert len(waited) == len(planned) and waited[0] >= planned[0]  # the first plan runs on the critical path
+    assert len(waited) == len(planned) and min(waited) >= 0
+    assert any(w < p for w, p in zip(waited, planned))  # planned behind the previous step: less was waited for
 
 
 def test_partition_auto_plans_the_longest_batch_once(tmp_path):
