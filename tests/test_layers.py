@@ -221,7 +221,6 @@ def _annotations(node: ast.AST) -> list[ast.AST]:
     return []
 
 
-@pytest.mark.xfail(strict=True, reason="strategies' torch.distributed calls move to runtime/ next")  # TEMPORARY
 def test_only_runtime_uses_torch_distributed():
     wrong = [
         hit
@@ -232,6 +231,51 @@ def test_only_runtime_uses_torch_distributed():
     assert not wrong, (
         "torch.distributed is called from runtime/ only (add a function to runtime/collectives.py or "
         "runtime/groups.py):\n" + "\n".join(sorted(set(wrong)))
+    )
+
+
+COMPAT_FILES = ("_torch_compat.py", "_lightning_compat.py")
+UPSTREAM = ("torch", "lightning", "pytorch_lightning")
+# private attributes of upstream objects we know we use (a name on an arbitrary object cannot be told
+# apart from our own ``obj._x`` by the AST alone)
+KNOWN_PRIVATE_ATTRIBUTES = frozenset(
+    {"_parameters", "_buffers", "_schema", "_base", "_per_optimizer_states", "_input_metadata", "_skip_backward"}
+)
+
+
+def _private_uses(module: str) -> list[str]:
+    """Private torch/Lightning names used by ``module``: ``from torch.x import _y``, ``torch.utils._pytree``,
+    ``torch.ops.aten._op`` and the known private attributes of upstream objects."""
+    path = project_modules()[module]
+    where = path.relative_to(REPO)
+    hits = []
+    for imp in imports_of(module):
+        parts = imp.target.split(".")
+        if imp.module is None and parts[0] in UPSTREAM and any(p.startswith("_") and not p.startswith("__") for p in parts):
+            hits.append(f"{where}:{imp.line} imports {imp.target}")
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        upstream_chain = isinstance(root, ast.Name) and root.id in UPSTREAM
+        own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        if upstream_chain or (node.attr in KNOWN_PRIVATE_ATTRIBUTES and not own):
+            hits.append(f"{where}:{node.lineno} uses .{node.attr}")
+    return hits
+
+
+def test_private_upstream_names_live_in_compat_modules():
+    wrong = [
+        hit
+        for module, path in project_modules().items()
+        if path.name not in COMPAT_FILES
+        for hit in _private_uses(module)
+    ]
+    assert not wrong, (
+        "private torch/Lightning names belong in strategies/_lightning_compat.py, runtime/_torch_compat.py or "
+        "model/_torch_compat.py (each with a test):\n" + "\n".join(sorted(set(wrong)))
     )
 
 
@@ -294,6 +338,7 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     (fake / "runtime" / "a.py").write_text("from lightning_pipe.planning import b\n")
     (fake / "planning" / "b.py").write_text("import torch\nfrom ..runtime import a\n")
     (fake / "strategies" / "c.py").write_text("import torch\ndef f():\n    torch.distributed.barrier()\n")
+    (fake / "model" / "d.py").write_text("from torch.utils._pytree import tree_map\ndef f(m):\n    return m._parameters\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     project_modules.cache_clear()
@@ -305,6 +350,8 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
             test_pure_layers_import_neither_torch_nor_lightning("planning", ("torch",))
         with pytest.raises(AssertionError, match=r"strategies/c.py:3 uses torch.distributed"):
             test_only_runtime_uses_torch_distributed()
+        with pytest.raises(AssertionError, match=r"model/d.py:1 imports torch.utils._pytree.tree_map(.|\n)*d.py:3 uses ._parameters"):
+            test_private_upstream_names_live_in_compat_modules()
         with pytest.raises(AssertionError, match="around a circle"):
             test_no_import_cycles()
     finally:

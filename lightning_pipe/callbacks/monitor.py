@@ -41,12 +41,12 @@ import resource
 import sys
 import time
 import dataclasses
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipe.schedules import ActionCosts, ActionType, TimedAction, simulate
 
@@ -94,10 +94,26 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 def _tokens(batch: Any) -> int:
     """Token count of a batch: elements of its first tensor with a batch dimension."""
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.numel())
-    return 0
+    tensor = _first_batched_tensor(batch)
+    return 0 if tensor is None else int(tensor.numel())
+
+
+def _first_batched_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor with a dimension, walking the containers torch's pytree walks (dicts, lists,
+    tuples, named tuples, deques) in its order, without its private module."""
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.dim() > 0 else None
+    if type(tree) in (dict, OrderedDict, defaultdict):
+        children: Any = tree.values()
+    elif type(tree) in (list, tuple, deque) or (isinstance(tree, tuple) and hasattr(type(tree), "_fields")):
+        children = tree
+    else:
+        return None
+    for child in children:
+        found = _first_batched_tensor(child)
+        if found is not None:
+            return found
+    return None
 
 
 def _memory_plan_counts(strategy: Any) -> tuple[int, int]:

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.metric import CompositionalMetric
+
+from lightning_pipe.model._torch_compat import tree_map
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.model.stage_runner import StageRunner, StageSpan
 from lightning_pipe.runtime.memory import FULL, KEEP_ATTENTION, NONE, MemoryRuntime
 from lightning_pipe.runtime.memory_accounting import AFTER_BLOCKS, BEFORE_BLOCKS
 from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe.runtime._torch_compat import tree_flatten, tree_map
 
 PROBE_MODES = (NONE, FULL, KEEP_ATTENTION)
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
 from typing_extensions import Self
 
 from lightning_pipe.runtime.memory_profile import _token_tensor
+from lightning_pipe.runtime._torch_compat import tree_flatten, tree_map
 
 __all__ = ["UnitTracker", "nbytes_of", "resize_microbatch", "step_loss", "unit_name"]
 

@@ -16,8 +16,6 @@ from typing import Any, Literal, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -852,40 +850,33 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            with naming_failures(f"Lightning's barrier {name or ''}".rstrip(), None):
-                torch.distributed.barrier()
+        if collectives.is_initialized():
+            collectives.barrier(operation=f"Lightning's barrier {name or ''}".rstrip())
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not collectives.is_initialized():
             return obj
-        box = [obj]
-        with naming_failures(f"Lightning's broadcast from rank {src}", None):
-            torch.distributed.broadcast_object_list(box, src)
-        return box[0]
+        return collectives.broadcast_object(obj, src, None, f"Lightning's broadcast from rank {src}")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Combine a decision of every process (Lightning's default goes through :meth:`reduce`, which
         here spans only data-parallel replicas: ModelCheckpoint would never see a unanimous vote)."""
-        if not _distributed_is_initialized():
+        if not collectives.is_initialized():
             return decision
         votes = torch.tensor(int(decision), device=self.root_device)
-        with naming_failures("Lightning's vote of every process (reduce_boolean_decision)", None):
-            torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
+        collectives.all_reduce_tensor(votes, "sum", "Lightning's vote of every process (reduce_boolean_decision)")
         return bool(votes == self.world_size) if all else bool(votes > 0)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce over data-parallel replicas: every rank of a pipeline holds the same replayed value."""
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+        if not isinstance(tensor, Tensor) or not collectives.is_initialized():
             return tensor
-        from lightning.fabric.utilities.distributed import _sync_ddp
-
         group = group or self.groups.data_parallel
         with naming_failures("a reduction of logged values over data-parallel replicas", group):
-            return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+            return compat.sync_ddp(tensor, group=group, reduce_op=reduce_op)
 
     # --- checkpoints (checkpointing.py: one file; distributed_checkpoint.py: sharded) -------------
 
@@ -972,7 +963,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.runner.remove()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
-        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        compat.optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             move_real_tensors(self.lightning_module, torch.device("cpu"))
         self.precision_plugin.teardown()

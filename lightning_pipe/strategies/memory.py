@@ -20,7 +20,6 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipe.planning.cost_model import MicrobatchShape
 from lightning_pipe.planning.memory_model import (
@@ -48,6 +47,8 @@ from lightning_pipe.runtime.memory_profile import (
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.schedules.ir import ActionType, Program
+from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime._torch_compat import record_found_inf, tree_flatten
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +269,10 @@ class StrategyMemory:
         A collective over the default process group: all ranks undo their stage steps together, so
         replicas and stages never disagree about which updates happened.
         """
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if not collectives.is_initialized():
             return overflow
         flag = torch.tensor(float(overflow), device=self._strategy.root_device)
-        with naming_failures("the agreement on a gradient overflow (16-mixed)", None):
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        collectives.all_reduce_tensor(flag, "max", "the agreement on a gradient overflow (16-mixed)")
         return bool(flag.item() > 0)
 
     def _update_loss_scale(self, overflow: bool) -> None:
@@ -286,7 +286,7 @@ class StrategyMemory:
         scaler = self.grad_scaler
         assert scaler is not None
         found_inf = torch.full((), float(overflow), dtype=torch.float32, device=self._strategy.root_device)
-        scaler._per_optimizer_states[id(self.stage_optimizers)]["found_inf_per_device"][found_inf.device] = found_inf
+        record_found_inf(scaler, self.stage_optimizers, found_inf)
         scaler.update()
 
     def _single_optimizer(self) -> Optimizer:
