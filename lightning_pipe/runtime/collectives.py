@@ -176,3 +176,8 @@ def all_reduce_tensor(tensor: Tensor, op: str, operation: str, group: dist.Proce
     with naming_failures(operation, group):
         dist.all_reduce(tensor, op=reduce_op, group=group)
     return tensor
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (None: every process)."""
+    return dist.get_world_size(group)

@@ -7,7 +7,7 @@ strategy's own ``partition="auto"``:
 * the microbatch lengths of a batch, split exactly as the strategy splits it, and the same lengths
   from every data-parallel replica (all replicas must run one partition: their stage ``s`` holds
   the same parameters, whose gradients they average);
-* a cost model without profiling: the meta-device probe of ``runtime.cost_probe``, made from shapes
+* a cost model without profiling: the meta-device probe of ``profiling.cost_probe``, made from shapes
   every rank agrees on, so every rank gets the same numbers;
 * a measured profile: each rank times the units it owns, rank 0 fits, every rank gets rank 0's fit;
 * the longest batch of the training data, for the static ``partition="auto"``.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,24 +28,19 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_pipe.model.blocks import BlockStack
-from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.runtime import collectives
-from lightning_pipe.runtime.cost_probe import CostEstimate, DeviceSpeed, count_units, fit_cost_model
-from lightning_pipe.runtime.memory_profile import sequence_lengths
+from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed
+from lightning_pipe.profiling.estimate import estimate_costs
+from lightning_pipe.profiling.memory_profile import sequence_lengths
 from lightning_pipe.runtime.microbatch import sample_ranges
-from lightning_pipe.runtime.unit_timing import fit_timings, time_units
+from lightning_pipe.profiling.unit_timing import fit_timings, time_units
 
 log = logging.getLogger(__name__)
 
 LengthsFn = Callable[[Any], Sequence[int]]
 """``lengths_fn(batch) -> one length per sample``; default: ``[T] * B`` of the token tensor ``[B, T]``."""
-
-# Assumed stage-to-stage link, (seconds per message, bytes per second), until migrations are measured.
-_LINK = {"cpu": (1e-4, 2e9), "cuda": (1e-5, 50e9)}
-
 
 class StrategyCosts:
     """Cost models and batch shapes of one ``ElasticPipelineStrategy`` (see the module docstring).
@@ -271,106 +265,6 @@ class StrategyCosts:
             plan.step_seconds,
         )
         return plan.boundaries
-
-
-def probe_shapes(max_length: int, num_sequences: int) -> list[tuple[int, int]]:
-    """The meta probe's ``(num_sequences, length)`` grid: full, half and quarter length, two sizes."""
-    half, quarter = max(2, math.ceil(max_length / 2)), max(2, math.ceil(max_length / 4))
-    shapes = [(num_sequences, max_length), (num_sequences, half), (2 * num_sequences, quarter)]
-    shapes.append((max(1, num_sequences // 2) if num_sequences > 1 else 2, max_length))
-    return list(dict.fromkeys(shapes))
-
-
-def estimate_costs(
-    module: torch.nn.Module,
-    stack: BlockStack,
-    layout: UnitLayout,
-    microbatch: Any,
-    max_length: int,
-    num_sequences: int,
-    device: torch.device,
-    optimizer_states_per_parameter: float = 2.0,
-    speed: DeviceSpeed | None = None,
-) -> CostEstimate:
-    """The meta-device cost model of ``module`` (``runtime.cost_probe``) for microbatches like ``microbatch``.
-
-    Args:
-        module: the user's module.
-        stack: its block stack.
-        layout: its units.
-        microbatch: an example microbatch (structure and dtypes only).
-        max_length: the longest sample length to probe.
-        num_sequences: samples per probe microbatch.
-        device: the device training runs on (sets the assumed speed and link).
-        optimizer_states_per_parameter: optimizer state tensors per trained parameter.
-        speed: the assumed device; None: :meth:`DeviceSpeed.for_device`.
-    """
-    counts = count_units(
-        module,
-        stack,
-        "training_step",
-        (microbatch, 0),
-        probe_shapes(max_length, num_sequences),
-        speed or DeviceSpeed.for_device(device),
-    )
-    latency, bandwidth = _LINK.get(torch.device(device).type, _LINK["cuda"])
-    return fit_cost_model(counts, module, layout, optimizer_states_per_parameter, latency, bandwidth)
-
-
-def profile_grid(max_length: int, num_sequences: int) -> list[tuple[int, int]]:
-    """The profiler's default ``(num_sequences, length)`` grid: 4 lengths down to a quarter, 2 sizes."""
-    lengths = dict.fromkeys(max(2, round(max_length * f)) for f in (1.0, 0.75, 0.5, 0.25))
-    sizes = dict.fromkeys((num_sequences, max(1, num_sequences // 2)))
-    return [(b, n) for n in lengths for b in sizes]
-
-
-def profile_module(
-    module: torch.nn.Module,
-    microbatch: Any,
-    shapes: Sequence[tuple[int, int]],
-    blocks: str | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
-    holdout_fraction: float = 0.25,
-    optimizer_states_per_parameter: float = 2.0,
-) -> CostEstimate:
-    """Profile a whole module in this process (no strategy, no process group): time every unit on
-    ``shapes``, fit, and return the :class:`CostEstimate` (``lightning-pipe-profile`` uses this).
-
-    Args:
-        module: the user's module, on the device to profile.
-        microbatch: an example microbatch on that device (values are reused to make the probes).
-        shapes: ``(num_sequences, length)`` of every probe microbatch.
-        blocks: dotted path of the block stack; None: found automatically.
-        repeats: timed runs per shape (median kept).
-        warmup: untimed runs per shape first.
-        holdout_fraction: share of samples held out to report each fit's error.
-        optimizer_states_per_parameter: optimizer state tensors per trained parameter (2: Adam).
-    """
-    from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
-
-    stack = find_blocks(module, blocks)
-    layout = analyze_units(module, stack)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    runner = StageRunner(module, stack)
-    try:
-        span = StageSpan(0, 0, stack.num_blocks, stack.num_blocks)
-        timings = time_units(
-            runner, "training_step", (microbatch, 0), [span], shapes, list(module.parameters()), device, repeats, warmup
-        )
-    finally:
-        runner.remove()
-    template = estimate_costs(
-        module,
-        stack,
-        layout,
-        microbatch,
-        max(n for _, n in shapes),
-        max(b for b, _ in shapes),
-        device,
-        optimizer_states_per_parameter,
-    )
-    return fit_timings(timings, template, holdout_fraction)
 
 
 def _split(lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:

@@ -37,14 +37,13 @@ from lightning_pipe.planning.memory_planner import MemoryPlanResult, plan_memory
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.memory import DEFAULT_MLP_NAMES, MemoryRuntime
 from lightning_pipe.runtime.memory_accounting import StepMemory
-from lightning_pipe.runtime.memory_profile import (
+from lightning_pipe.profiling.memory_profile import (
     ProbeRecord,
     gather_records,
     measure_stages,
     probe_microbatches,
     sequence_lengths,
 )
-from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.schedules.ir import ActionType, Program
 from lightning_pipe.runtime import collectives

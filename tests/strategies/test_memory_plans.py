@@ -17,7 +17,7 @@ from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blo
 from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory, predict_memory
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.memory import MemoryRuntime
-from lightning_pipe.runtime.memory_profile import measure_stages, probe_microbatches
+from lightning_pipe.profiling.memory_profile import measure_stages, probe_microbatches
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.schedules import resolve_schedule
 from lightning_pipe.strategies.memory import StrategyMemory, build_profile

@@ -3,7 +3,7 @@
 :func:`count_units` runs the user's step on the **meta device** (parameters swapped for meta
 tensors; the probe batch is a real host tensor, resized from the example, so masks built from it
 stay real and data-dependent checks on them run; nothing else is allocated, any shape can be probed) with the hooks of
-:class:`~lightning_pipe.runtime.unit_tracker.UnitTracker`, which tell which unit (``pre``, a block,
+:class:`~lightning_pipe.profiling.unit_tracker.UnitTracker`, which tell which unit (``pre``, a block,
 ``post``) forward runs and backward has reached. Per unit, forward and backward: the FLOPs of every
 ATen op (``torch.utils.flop_counter``'s formulas), the bytes it reads and writes, the number of ops,
 and the bytes autograd saves for backward (``saved_tensors_hooks``; parameters and the batch are not
@@ -47,7 +47,7 @@ from lightning_pipe.model.placeholders import real_devices
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
 from lightning_pipe.planning.fit import UnitFit, fit_linear_cost
-from lightning_pipe.runtime.unit_tracker import UnitTracker, nbytes_of, resize_microbatch, step_loss, unit_name
+from lightning_pipe.profiling.unit_tracker import UnitTracker, nbytes_of, resize_microbatch, step_loss, unit_name
 from lightning_pipe.runtime._torch_compat import TorchDispatchMode, flash_attention_cpu_ops, tensor_registries, tree_flatten, tree_map
 
 __all__ = [
