@@ -49,7 +49,7 @@ from lightning_pipe.planning.memory_model import (
     stage_footprints,
 )
 from lightning_pipe.schedules.costs import ActionCosts
-from lightning_pipe.schedules.instructions import get_instruction, is_registered_instruction
+from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds
 from lightning_pipe.schedules.ir import ActionType, Program
 from lightning_pipe.schedules.lowering import message_of
 from lightning_pipe.schedules.simulate import simulate
@@ -244,18 +244,18 @@ def _windows(program: Program, rank: int) -> list[tuple[frozenset, tuple[int, in
     for action in program.actions[rank]:
         if action.microbatch is None:
             continue
-        key = (action.stage, action.microbatch)
-        if action.type is ActionType.FORWARD:
+        key, rule = (action.stage, action.microbatch), ACTION_RULES[action.type]
+        if rule.starts_pair:
             alive.add(key)
             entry = (frozenset(alive), key, True)
-        elif action.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT):
+        elif rule.uses_saved:
             entry = (frozenset(alive), key, False)
         else:
             continue
         if entry not in seen:
             seen.add(entry)
             result.append(entry)
-        if action.type in (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT):
+        if rule.frees:
             alive.discard(key)
     return result
 
@@ -463,18 +463,18 @@ def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_lim
         for i, op in enumerate(operations):
             terms = {end[i]: 1.0}
             constant = 0.0
-            kind, s, m = op.action.type, op.action.stage, op.action.microbatch
-            if kind in (ActionType.FORWARD, ActionType.RECOMPUTE):
-                constant = problem.forward[s, m]
-                if OFFLOAD in options and kind is ActionType.FORWARD:
+            rule, s, m = ACTION_RULES[op.action.type], op.action.stage, op.action.microbatch
+            if rule.forward_share:
+                constant = problem.forward[s, m] * rule.forward_share
+                if OFFLOAD in options and rule.starts_pair:
                     terms[count_var[(OFFLOAD, s, m)]] = -problem.offload_forward_stall[s, m]
-            elif kind in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT):
-                constant = problem.backward[s, m] * (1.0 if kind is ActionType.BACKWARD else 0.5)
+            elif rule.backward_share:
+                constant = problem.backward[s, m] * rule.backward_share
                 for o in options:
                     c = count_var[(o, s, m)]
                     terms[c] = terms.get(c, 0.0) - problem.seconds[o][s, m]
-            elif kind is ActionType.CUSTOM and op.action.name and is_registered_instruction(op.action.name):
-                constant = get_instruction(op.action.name).seconds
+            else:
+                constant = instruction_seconds(op.action)
             if op.previous >= 0:
                 add({**terms, end[op.previous]: -1.0}, constant, np.inf)
             else:

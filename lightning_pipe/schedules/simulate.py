@@ -1,7 +1,8 @@
 """Discrete-event simulator: how long a program takes, how idle each rank is, how much memory it holds.
 
-Each rank runs its actions in order. A compute action takes its cost from :class:`ActionCosts`
-(``RECOMPUTE`` costs a forward; a registered instruction costs its ``seconds``). A send takes no
+Each rank runs its actions in order. A compute action takes its cost from :class:`ActionCosts`, as
+the table of :mod:`~lightning_pipe.schedules.action_rules` says (``RECOMPUTE`` costs a forward; a
+registered instruction costs its ``seconds``). A send takes no
 time on the sender; the matching receive completes at ``max(issue time, send time + transfer)``.
 Memory is accounted per rank as static bytes plus the saved activations alive: a stage's saved
 bytes for a microbatch are held from its ``F`` until its ``B`` (until ``W`` for zero-bubble), not
@@ -15,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .action_rules import ACTION_RULES, instruction_seconds, saves_again
 from .costs import ActionCosts
-from .instructions import get_instruction, is_registered_instruction
 from .ir import Action, ActionType, Program
 from .lowering import message_key
 from .validate import ScheduleError, format_grid
@@ -24,7 +25,6 @@ from .validate import ScheduleError, format_grid
 __all__ = ["TimedAction", "SimulationResult", "simulate"]
 
 _SEND_F, _SEND_B, _RECV_F, _RECV_B = ActionType.SEND_F, ActionType.SEND_B, ActionType.RECV_F, ActionType.RECV_B
-_RELEASE = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -90,24 +90,24 @@ def _check_costs(program: Program, costs: ActionCosts) -> None:
 
 
 def _duration(action: Action, costs: ActionCosts) -> float:
-    s, mb, kind = action.stage, action.microbatch, action.type
-    if kind in (ActionType.FORWARD, ActionType.RECOMPUTE):
+    s, mb, duration = action.stage, action.microbatch, ACTION_RULES[action.type].duration
+    if duration == "forward":
         return costs.forward[s][mb]
-    if kind is ActionType.BACKWARD:
+    if duration == "backward":
         return costs.backward[s][mb]
-    if kind is ActionType.BACKWARD_INPUT:
+    if duration == "input_gradient":
         return costs.input_gradient(s, mb)
-    if kind is ActionType.BACKWARD_WEIGHT:
+    if duration == "weight_gradient":
         return costs.weight_gradient(s, mb)
-    if kind is ActionType.CUSTOM and action.name and is_registered_instruction(action.name):
-        return get_instruction(action.name).seconds
+    if duration == "instruction":
+        return instruction_seconds(action)
     return 0.0
 
 
 def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> tuple[float, int]:
     """Peak bytes (static + saved) and peak in-flight pairs of one rank, from its action order."""
     static = sum(costs.static_bytes[s] for s in program.stages_of(rank)) if costs.static_bytes else 0.0
-    recomputed = {(a.stage, a.microbatch) for a in program.actions[rank] if a.type is ActionType.RECOMPUTE}
+    recomputed = {(a.stage, a.microbatch) for a in program.actions[rank] if saves_again(a.type)}
     held: dict[tuple[int, int | None], float] = {}
     offloaded: dict[tuple[int, int | None], float] = {}
     alive = peak = 0.0
@@ -116,23 +116,25 @@ def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> 
     for a in program.actions[rank]:
         key = (a.stage, a.microbatch)
         saved = costs.saved_bytes[a.stage][a.microbatch] if costs.saved_bytes and a.microbatch is not None else 0.0
-        if a.type is ActionType.FORWARD and training:
-            pairs[a.microbatch] = pairs.get(a.microbatch, 0) + 1
-            in_flight += pairs[a.microbatch] == 1
-            if key not in recomputed:
-                held[key] = saved
-                alive += saved
-        elif a.type is ActionType.RECOMPUTE:
+        rule = ACTION_RULES[a.type]
+        if rule.starts_pair:
+            if training:
+                pairs[a.microbatch] = pairs.get(a.microbatch, 0) + 1
+                in_flight += pairs[a.microbatch] == 1
+                if key not in recomputed:
+                    held[key] = saved
+                    alive += saved
+        elif rule.saves:  # saved again later in the step (RECOMPUTE)
             alive += saved - held.get(key, 0.0)
             held[key] = saved
-        elif a.type in _RELEASE:
+        elif rule.frees:
             pairs[a.microbatch] = pairs.get(a.microbatch, 0) - 1
             in_flight -= pairs[a.microbatch] == 0
             alive -= held.pop(key, 0.0)
-        elif a.type is ActionType.OFFLOAD and key in held:
+        elif rule.offloads and key in held:
             offloaded[key] = held.pop(key)
             alive -= offloaded[key]
-        elif a.type is ActionType.RELOAD and key in offloaded:
+        elif rule.reloads and key in offloaded:
             held[key] = offloaded.pop(key)
             alive += held[key]
         peak = max(peak, alive)
