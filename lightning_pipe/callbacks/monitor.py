@@ -43,12 +43,15 @@ import time
 import dataclasses
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 
 from lightning_pipe.schedules import ActionCosts, ActionType, TimedAction, simulate
+
+if TYPE_CHECKING:
+    from lightning_pipe.strategies import PipelineStrategy
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,7 @@ def _first_batched_tensor(tree: Any) -> torch.Tensor | None:
     return None
 
 
-def _memory_plan_counts(strategy: Any) -> tuple[int, int]:
+def _memory_plan_counts(strategy: PipelineStrategy) -> tuple[int, int]:
     """Block runs of one step under recomputation and under activation offload, by the memory plan."""
     memory = getattr(strategy, "memory", None)
     if memory is None or memory.plan.is_empty:
@@ -259,7 +262,7 @@ class PipelineMonitor(L.Callback):
         self._step_started = 0.0
         self._migrated = 0
 
-    def _strategy(self, trainer: L.Trainer) -> Any:
+    def _strategy(self, trainer: L.Trainer) -> PipelineStrategy:
         from lightning_pipe.strategies import ElasticPipelineStrategy
 
         if not isinstance(trainer.strategy, ElasticPipelineStrategy):
@@ -326,7 +329,7 @@ class PipelineMonitor(L.Callback):
         if draw:
             self._draw(trainer, strategy, reports, step)
 
-    def _summarize(self, strategy: Any, reports: list[RankReport], step: int, step_s: float, tokens: int) -> StepSummary:
+    def _summarize(self, strategy: PipelineStrategy, reports: list[RankReport], step: int, step_s: float, tokens: int) -> StepSummary:
         events, makespan, busy = measured_step(reports)
         stage_compute: dict[int, float] = {}
         for e in events:
@@ -364,7 +367,7 @@ class PipelineMonitor(L.Callback):
         with open(os.path.join(self._directory(trainer), "pipeline_steps.jsonl"), "a") as f:
             f.write(json.dumps(asdict(summary)) + "\n")
 
-    def _draw(self, trainer: L.Trainer, strategy: Any, reports: list[RankReport], step: int) -> None:
+    def _draw(self, trainer: L.Trainer, strategy: PipelineStrategy, reports: list[RankReport], step: int) -> None:
         from lightning_pipe.schedules.render import render_png
 
         events, makespan, busy = measured_step(reports)

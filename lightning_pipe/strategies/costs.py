@@ -12,7 +12,7 @@ strategy's own ``partition="auto"``:
 * a measured profile: each rank times the units it owns, rank 0 fits, every rank gets rank 0's fit;
 * the longest batch of the training data, for the static ``partition="auto"``.
 
-Lightning-free: it needs only the strategy's attributes.
+Lightning-free: it reads the strategy through a :class:`~lightning_pipe.strategies.context.PipelineContext`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed
 from lightning_pipe.profiling.estimate import estimate_costs
 from lightning_pipe.profiling.memory_profile import sequence_lengths
 from lightning_pipe.runtime.microbatch import sample_ranges
+from lightning_pipe.strategies.context import PipelineContext
+from lightning_pipe.strategies.memory import StrategyMemory
 from lightning_pipe.profiling.unit_timing import fit_timings, time_units
 
 log = logging.getLogger(__name__)
@@ -53,11 +55,20 @@ class StrategyCosts:
         self.speed = speed
         self.estimate: CostEstimate | None = None
         self.longest_batch_lengths: list[int] | None = None
-        self._strategy: Any = None
+        self._context: PipelineContext | None = None
+        self._memory: StrategyMemory | None = None
 
-    def setup(self, strategy: Any) -> None:
-        """Attach to the strategy (after sharding)."""
-        self._strategy = strategy
+    def setup(self, context: PipelineContext, memory: StrategyMemory) -> None:
+        """Attach to the strategy's context (after sharding); ``memory`` gives the static bytes per parameter."""
+        self._context = context
+        self._memory = memory
+
+    @property
+    def context(self) -> PipelineContext:
+        """The strategy's context (after :meth:`setup`)."""
+        if self._context is None:
+            raise RuntimeError("`StrategyCosts` is used before the strategy's setup gave it its context.")
+        return self._context
 
     # --- batches ---------------------------------------------------------------------------------
 
@@ -71,21 +82,21 @@ class StrategyCosts:
             ValueError: ``lengths_fn`` gives another number of lengths than the batch has samples.
         """
         lengths = [int(n) for n in (lengths_fn or sequence_lengths)(batch)]
-        plan = self._strategy.split_batch(batch).plan
+        plan = self.context.split_batch(batch).plan
         if len(lengths) != plan.batch_size:
             raise ValueError(f"`lengths_fn` returned {len(lengths)} lengths for a batch of {plan.batch_size} samples.")
         return [lengths[start:end] for start, end in plan.sample_ranges]
 
     def replica_values(self, value: Any) -> list[Any]:
         """``value`` of every data-parallel replica, in replica order (a collective when dp > 1)."""
-        strategy = self._strategy
-        if strategy.layout.data_parallel_size == 1:
+        context = self.context
+        if context.layout.data_parallel_size == 1:
             return [value]
-        return collectives.all_gather_objects(value, strategy.groups.data_parallel)
+        return collectives.all_gather_objects(value, context.groups.data_parallel)
 
     def max_over_ranks(self, value: float) -> float:
         """The largest ``value`` of all processes (a collective), so that every rank uses one number."""
-        if self._strategy.world_size == 1:
+        if self.context.world_size == 1:
             return float(value)
         return float(max(collectives.all_gather_objects(float(value), None)))
 
@@ -137,17 +148,18 @@ class StrategyCosts:
             max_length: the longest sample length to probe (every rank must pass the same).
             num_sequences: samples per probe microbatch (every rank must pass the same).
         """
-        strategy = self._strategy
-        microbatch = strategy.split_batch(batch).microbatches[0]
+        context = self.context
+        assert self._memory is not None
+        microbatch = context.split_batch(batch).microbatches[0]
         return estimate_costs(
-            strategy.lightning_module,
-            strategy.runner.stack,
-            strategy.unit_layout,
+            context.module,
+            context.runner.stack,
+            context.current().unit_layout,
             microbatch,
             max_length,
             num_sequences,
-            strategy.root_device,
-            strategy.memory.static_bytes_per_parameter_byte() - 2.0,
+            context.device,
+            self._memory.static_bytes_per_parameter_byte() - 2.0,
             self.speed,
         )
 
@@ -173,32 +185,32 @@ class StrategyCosts:
         Returns:
             The fitted :class:`CostEstimate` (``source="profile"``), the same on every rank.
         """
-        strategy = self._strategy
-        microbatch = strategy.split_batch(batch).microbatches[0]
-        params = [p for p in strategy.lightning_module.parameters() if not p.is_meta]
+        context = self.context
+        microbatch = context.split_batch(batch).microbatches[0]
+        params = [p for p in context.module.parameters() if not p.is_meta]
         timings = []
-        if strategy.layout.data_parallel_rank == 0:  # replicas hold the same units: one pipeline times them
+        if context.layout.data_parallel_rank == 0:  # replicas hold the same units: one pipeline times them
             timings = time_units(
-                strategy.runner,
+                context.runner,
                 "training_step",
                 (microbatch, batch_index),
-                list(strategy.spans.values()),
+                list(context.current().spans.values()),
                 shapes,
                 params,
-                strategy.root_device,
+                context.device,
                 repeats,
                 warmup,
-                strategy.precision_plugin.train_step_context,
+                context.train_step_context,
             )
-        gathered = strategy.gather_from_pipeline(timings)
+        gathered = context.gather_from_pipeline(timings)
         estimate = None
-        if strategy.global_rank == 0:
+        if context.global_rank == 0:
             max_length = max(length for _, length in shapes)
             num_sequences = max(count for count, _ in shapes)
             template = self.meta_estimate(batch, max_length, num_sequences)
             estimate = fit_timings([t for part in gathered for t in part], template, holdout_fraction)
-        if strategy.world_size > 1:
-            estimate = strategy.broadcast(estimate, 0)
+        if context.world_size > 1:
+            estimate = context.broadcast(estimate, 0)
         return estimate
 
     # --- partition="auto" ------------------------------------------------------------------------
@@ -245,17 +257,17 @@ class StrategyCosts:
         planned with the meta-device cost model (:func:`~lightning_pipe.planning.plan_partition`
         for the strategy's schedule), so every rank gets the same boundaries.
         """
-        strategy = self._strategy
+        current = self.context.current()
         batch, lengths = self.scan_longest_batch(loader, lengths_fn)
         everyone = self.replica_values(lengths)
         longest = max(everyone, key=lambda ls: (max(ls), sum(ls)))
         self.longest_batch_lengths = list(longest)
-        per_microbatch = _split(longest, strategy.num_microbatches)
+        per_microbatch = _split(longest, current.num_microbatches)
         if self.estimate is None:
             sizes = [len(mb) for mb in per_microbatch]
             self.use(self.meta_estimate(batch, max(longest), max(sizes)))
         plan = plan_partition(
-            self.estimate.cost_model, self.shapes(per_microbatch), strategy.schedule, strategy.pipeline_parallel_size
+            self.estimate.cost_model, self.shapes(per_microbatch), current.schedule, self.context.pipeline_parallel_size
         )
         log.info(
             "partition='auto': longest batch (%d samples, up to %d long) planned as %s, predicted %.4g s per step",

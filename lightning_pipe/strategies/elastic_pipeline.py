@@ -40,7 +40,7 @@ from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.model.observation import check_observation, layout_from_observation
 from lightning_pipe.model.units import UnitLayout
-from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
+from lightning_pipe.runtime import PipelineExecutor, PointToPoint, ProcessGroups, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
@@ -57,7 +57,9 @@ from lightning_pipe.runtime.microbatch import BatchDim, SplitBatch, plan_microba
 from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
+from lightning_pipe.schedules.action_rules import check_executable
 from lightning_pipe.strategies import _lightning_compat as compat
+from lightning_pipe.strategies.context import PipelineContext, PipelineState
 from lightning_pipe.strategies import checkpointing, distributed_checkpoint
 from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
@@ -186,6 +188,18 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._timeout = timeout
         self._num_nodes = 1
         self.boundaries: tuple[int, ...] = ()
+        # set up in `setup_environment` / `_shard` / `_install`; declared here so the object has one shape
+        self.groups: ProcessGroups | None = None
+        self.unit_layout: UnitLayout | None = None
+        self.runner: StageRunner | None = None
+        self.executor: PipelineExecutor | None = None
+        self.program: Program | None = None
+        self.eval_program: Program | None = None
+        self.spans: dict[int, StageSpan] = {}
+        self.metric_states: MetricStates | None = None
+        self._observed: dict[str, Any] = {}
+        self._shared: list[tuple[Tensor | None, tuple[int, ...]]] = []
+        self._sample_mixing = False
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.last_migration: MigrationReport | None = None
         self.memory = StrategyMemory(  # see strategies/memory.py
@@ -394,7 +408,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
         shard_module(module, self.unit_layout, owned, self.root_device)
         self.runner = StageRunner(module, stack, device=self.root_device)
-        self._observed: dict[str, Any] = {}  # step name -> StepObservation (units by use; see _observe)
+        self._observed = {}  # step name -> StepObservation (units by use; see _observe)
         self.executor = PipelineExecutor(
             self.runner,
             # autocast does not apply on the meta device: activations carry their real dtypes
@@ -409,13 +423,39 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.layout.pipeline_rank,
             self.root_device,
         )
-        self.memory.setup(self)
-        self.costs.setup(self)
+        context = self._context()
+        self.memory.setup(context)
+        self.costs.setup(context, self.memory)
         self._shared = self._shared_parameters()
         self._check_time_major(module)  # blocks built in `configure_model` exist now
         self._sample_mixing = bool(find_sample_mixing_modules(module))
         self.metric_states = MetricStates(module, self.groups.data_parallel)
         self._short_programs = {}
+
+    def _context(self) -> PipelineContext:
+        """What the memory and cost helpers read of this strategy (strategies/context.py)."""
+        return PipelineContext(
+            layout=self.layout,
+            groups=self.groups,
+            runner=self.runner,
+            device=self.root_device,
+            module=self.lightning_module,
+            world_size=self.world_size,
+            global_rank=self.global_rank,
+            current=self._pipeline_state,
+            optimizers=lambda: self.optimizers,
+            split_batch=self.split_batch,
+            train_step_context=lambda: self.precision_plugin.train_step_context(),
+            broadcast=self.broadcast,
+            gather_from_pipeline=self.gather_from_pipeline,
+        )
+
+    def _pipeline_state(self) -> PipelineState:
+        """The plan in force, for the helpers' context."""
+        return PipelineState(
+            self.schedule, self.program, tuple(self.boundaries), self.spans, self.unit_layout, self.num_microbatches,
+            tuple(self._tied),
+        )
 
     def _install(self, plan: PipelinePlan) -> None:
         """Make ``plan`` the current one: schedule, program, stage spans (no tensors move here)."""
@@ -424,9 +464,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         num_stages = self.pipeline_parallel_size * schedule.stages_per_rank
         boundaries = check_boundaries(plan.boundaries, num_blocks, num_stages)
         program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
-        validate(program)
+        check_executable(validate(program))
         self.schedule, self.program, self.boundaries = schedule, program, boundaries
-        self.eval_program: Program = forward_only(program)
+        self.eval_program = forward_only(program)
         self._num_microbatches = plan.num_microbatches
         self.spans = {
             s: StageSpan(s, boundaries[s], boundaries[s + 1], num_blocks)
@@ -605,7 +645,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             if program is None:
                 try:
                     program = self.schedule.build(self.pipeline_parallel_size, num_microbatches)
-                    validate(program)
+                    check_executable(validate(program))
                 except Exception as error:
                     raise ValueError(
                         f"A batch has {num_microbatches} samples, fewer than `num_microbatches={self.num_microbatches}`, "
