@@ -15,6 +15,13 @@ action that ``saves`` them (``F`` in a training step, or its ``RECOMPUTE`` when 
 the action that ``frees`` them (``B``, or ``W`` with split backward), except between ``OFFLOAD`` and
 ``RELOAD``. An action that ``uses_saved`` activations reads them (its transient counts on top).
 
+Execution. ``executed`` says whether the runtime (``runtime/executor.py``) runs the kind. The memory
+kinds (``RECOMPUTE``, ``OFFLOAD``, ``RELOAD``), ``STEP`` and registered instructions (``CUSTOM``) are
+declared for simulation and planning only: memory plans run through block wrappers and saved-tensor
+hooks chosen per (stage, microbatch) from the plan's ``MemoryPlan``, and per-stage host optimizers
+through gradient hooks, not as program actions. :func:`check_executable` refuses a program holding
+one before training starts.
+
 Order. ``requires`` lists what must have run on the rank before the action, as the validator checks
 it: the pair's own earlier actions (``stage_offset`` 0) and the neighbouring stage's (``-1`` before a
 forward, ``+1`` before a backward), which, when that stage lives on another rank, arrive as the
@@ -28,9 +35,17 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from .instructions import get_instruction, is_registered_instruction
-from .ir import Action, ActionType
+from .ir import Action, ActionType, Program
 
-__all__ = ["ACTION_RULES", "ActionRule", "Dependency", "instruction_seconds", "rule_of", "saves_again"]
+__all__ = [
+    "ACTION_RULES",
+    "ActionRule",
+    "Dependency",
+    "check_executable",
+    "instruction_seconds",
+    "rule_of",
+    "saves_again",
+]
 
 _F, _B, _I, _W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
 
@@ -72,6 +87,7 @@ class ActionRule:
         offloads: moves the pair's alive activations to host memory.
         reloads: brings offloaded activations back.
         requires: what must run before it on the rank.
+        executed: whether the runtime runs it (False: simulation and planning only).
     """
 
     duration: str = "none"
@@ -84,6 +100,7 @@ class ActionRule:
     offloads: bool = False
     reloads: bool = False
     requires: tuple[Dependency, ...] = ()
+    executed: bool = True
 
 
 _OWN_FORWARD = Dependency((_F,), 0, "its own forward")
@@ -123,14 +140,17 @@ ACTION_RULES: Mapping[ActionType, ActionRule] = MappingProxyType(
             duration="forward",
             forward_share=1.0,
             saves=True,
+            executed=False,
             requires=(Dependency((_F,), 0, "recompute after the forward whose activations it handles"),),
         ),
         ActionType.OFFLOAD: ActionRule(
-            offloads=True, requires=(Dependency((_F,), 0, "offload after the forward whose activations it handles"),)
+            offloads=True, executed=False, requires=(Dependency((_F,), 0, "offload after the forward whose activations it handles"),)
         ),
-        ActionType.RELOAD: ActionRule(reloads=True, requires=(Dependency((ActionType.OFFLOAD,), 0, "reload after offload"),)),
-        ActionType.STEP: ActionRule(),
-        ActionType.CUSTOM: ActionRule(duration="instruction"),
+        ActionType.RELOAD: ActionRule(
+            reloads=True, executed=False, requires=(Dependency((ActionType.OFFLOAD,), 0, "reload after offload"),)
+        ),
+        ActionType.STEP: ActionRule(executed=False),
+        ActionType.CUSTOM: ActionRule(duration="instruction", executed=False),
     }
 )
 
@@ -138,6 +158,30 @@ ACTION_RULES: Mapping[ActionType, ActionRule] = MappingProxyType(
 def rule_of(kind: ActionType) -> ActionRule:
     """The rule of ``kind`` (every :class:`ActionType` has one)."""
     return ACTION_RULES[kind]
+
+
+def check_executable(program: Program) -> Program:
+    """Refuse a program the runtime cannot run: one holding an action kind that is simulation-only.
+
+    Returns:
+        ``program`` unchanged.
+
+    Raises:
+        ValueError: naming the first such action of each rank and what to do instead.
+    """
+    found = []
+    for rank, actions in enumerate(program.actions):
+        action = next((a for a in actions if not ACTION_RULES[a.type].executed), None)
+        if action is not None:
+            found.append(f"rank {rank}: {action} ({action.type.name})")
+    if found:
+        raise ValueError(
+            f"Program {program.name!r} holds actions the runtime does not run ({'; '.join(found)}). Memory actions "
+            "(RECOMPUTE, OFFLOAD, RELOAD) are for simulation: run recomputation and offload through a memory plan "
+            "(`recompute=`/`offload=` of the strategy, or the `MemoryPlanner` callback); STEP through "
+            "`optimizer_offload=True`; registered instructions (CUSTOM) have no runtime yet. Remove them from the schedule."
+        )
+    return program
 
 
 def saves_again(kind: ActionType) -> bool:

@@ -8,7 +8,7 @@ import pytest
 from lightning_pipe.planning.bounds import ProgramAnalysis, rank_chain
 from lightning_pipe.schedules import ActionCosts, ActionType, Program, ScheduleError, resolve_schedule, simulate, validate
 from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds, saves_again
-from lightning_pipe.schedules.ir import Action
+from lightning_pipe.schedules.ir import Action, B, F
 
 
 def test_every_action_type_has_one_rule():
@@ -56,3 +56,21 @@ def test_validator_reads_the_order_column():
     broken = Program(program.name, program.num_stages, program.num_microbatches, program.stage_to_rank, tuple(tuple(a) for a in actions))
     with pytest.raises(ScheduleError, match="W needs its I first"):
         validate(broken)
+
+
+def test_simulation_only_kinds_are_refused_before_running():
+    from lightning_pipe.schedules import build_program
+    from lightning_pipe.schedules.action_rules import check_executable
+
+    assert {k for k, r in ACTION_RULES.items() if not r.executed} == {
+        ActionType.RECOMPUTE,
+        ActionType.OFFLOAD,
+        ActionType.RELOAD,
+        ActionType.STEP,
+        ActionType.CUSTOM,
+    }
+    plain = resolve_schedule("1f1b").build(2, 2)
+    assert check_executable(plain) is plain
+    recompute = build_program("mem", 2, (0,), [[F(0, 0), F(0, 1), B(0, 1), Action(0, ActionType.RECOMPUTE, 0), B(0, 0)]])
+    with pytest.raises(ValueError, match=r"rank 0: 0RECOMPUTE0 \(RECOMPUTE\).*memory plan"):
+        check_executable(validate(recompute))
