@@ -132,6 +132,12 @@ class _Traversal:
 def run_engine(settings: EngineSettings) -> list[list[Action]]:
     """Compute order of every rank for ``settings`` (communication not yet inserted).
 
+    Long (about 130 lines) on purpose: one step loop whose helpers (``ready``, ``allowed``, ``pick``,
+    ``kinds``, ``record``) are closures over the loop's counters. Every DSL build and every
+    auto-schedule candidate runs this loop, so its speed matters (step numbers live in lists, not in
+    dicts keyed by actions, for that reason); as methods of an engine object each counter read would
+    become an attribute lookup in the innermost loop. Splitting it is left until that cost is measured.
+
     Raises:
         ScheduleError: when no rank can move while work remains (rule ``"deadlock"``).
     """

@@ -164,7 +164,32 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
     """
     _check_costs(program, costs)
     num_ranks = program.num_ranks
-    # Per rank and step: (0, duration) compute, (1, message) send, (2, message, transfer) receive.
+    run = _run(program, _compile(program, costs), record_events)
+    makespan = max(run.ends, default=0.0)
+    idle = tuple(makespan - b for b in run.busy)
+    bubble = sum(idle) / (num_ranks * makespan) if makespan > 0 else 0.0
+    training = any(
+        a.type is ActionType.BACKWARD or a.type is ActionType.BACKWARD_INPUT
+        for actions in program.actions
+        for a in actions
+    )
+    memory = [_memory(program, r, costs, training) for r in range(num_ranks)]
+    return SimulationResult(
+        name=program.name,
+        num_ranks=num_ranks,
+        makespan=makespan,
+        busy=tuple(run.busy),
+        idle=idle,
+        bubble_ratio=bubble,
+        peak_memory=tuple(m for m, _ in memory),
+        max_in_flight=tuple(n for _, n in memory),
+        critical_path=_critical_path(run.events, run.predecessor),
+        events=tuple(run.events),
+    )
+
+
+def _compile(program: Program, costs: ActionCosts) -> list[list[tuple]]:
+    """Per rank and step: ``(0, duration)`` compute, ``(1, message)`` send, ``(2, message, transfer)`` receive."""
     plans: list[list[tuple]] = []
     for actions in program.actions:
         plan: list[tuple] = []
@@ -178,13 +203,29 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
             else:
                 plan.append((0, _duration(a, costs)))
         plans.append(plan)
+    return plans
+
+
+@dataclass
+class _Run:
+    """What the event loop produced: every event's end, per-rank busy time, and (when recorded) the
+    events with the index of the event each waited on (-1: none)."""
+
+    ends: list[float]
+    busy: list[float]
+    events: list[TimedAction]
+    predecessor: list[int]
+
+
+def _run(program: Program, plans: list[list[tuple]], record_events: bool) -> _Run:
+    """Sweep the ranks, each running its steps until it blocks on a receive whose send has not run,
+    until no rank moves; then every rank must be done, or the program deadlocks."""
+    num_ranks = program.num_ranks
     clock = [0.0] * num_ranks
     pointer = [0] * num_ranks
-    busy = [0.0] * num_ranks
     last_event = [-1] * num_ranks
-    events: list[TimedAction] = []
-    ends: list[float] = []
-    predecessor: list[int] = []
+    run = _Run([], [0.0] * num_ranks, [], [])
+    ends, busy = run.ends, run.busy
     send_event: dict[tuple[int, int, int], int] = {}
     progress = True
     while progress:
@@ -209,8 +250,8 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
                     if step[0] == 1:
                         send_event[step[1]] = len(ends)
                 if record_events:
-                    predecessor.append(before)
-                    events.append(TimedAction(rank, actions[position], time, end))
+                    run.predecessor.append(before)
+                    run.events.append(TimedAction(rank, actions[position], time, end))
                 last_event[rank] = len(ends)
                 ends.append(end)
                 time = end
@@ -218,7 +259,12 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
             if position != pointer[rank]:
                 pointer[rank], clock[rank] = position, time
                 progress = True
-    blocked = [r for r in range(num_ranks) if pointer[r] < len(program.actions[r])]
+    _raise_if_blocked(program, pointer)
+    return run
+
+
+def _raise_if_blocked(program: Program, pointer: list[int]) -> None:
+    blocked = [r for r in range(program.num_ranks) if pointer[r] < len(program.actions[r])]
     if blocked:
         rank = blocked[0]
         waits = ", ".join(f"rank {r} waits on {program.actions[r][pointer[r]]}" for r in blocked)
@@ -230,27 +276,6 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
             action=program.actions[rank][pointer[rank]],
             grid=format_grid(program.actions, mark=(rank, pointer[rank]), window=12),
         )
-    makespan = max(ends, default=0.0)
-    idle = tuple(makespan - b for b in busy)
-    bubble = sum(idle) / (num_ranks * makespan) if makespan > 0 else 0.0
-    training = any(
-        a.type is ActionType.BACKWARD or a.type is ActionType.BACKWARD_INPUT
-        for actions in program.actions
-        for a in actions
-    )
-    memory = [_memory(program, r, costs, training) for r in range(num_ranks)]
-    return SimulationResult(
-        name=program.name,
-        num_ranks=num_ranks,
-        makespan=makespan,
-        busy=tuple(busy),
-        idle=idle,
-        bubble_ratio=bubble,
-        peak_memory=tuple(m for m, _ in memory),
-        max_in_flight=tuple(n for _, n in memory),
-        critical_path=_critical_path(events, predecessor),
-        events=tuple(events),
-    )
 
 
 def _critical_path(events: Sequence[TimedAction], predecessor: Sequence[int]) -> tuple[Action, ...]:
