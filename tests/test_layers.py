@@ -238,12 +238,13 @@ def test_only_runtime_uses_torch_distributed():
     )
 
 
-COMPAT_FILES = ("_torch_compat.py", "_lightning_compat.py")
-UPSTREAM = ("torch", "lightning", "pytorch_lightning")
+COMPAT_FILES = ("_torch_compat.py", "_lightning_compat.py", "_torchmetrics_compat.py")
+UPSTREAM = ("torch", "lightning", "pytorch_lightning", "torchmetrics")
 # private attributes of upstream objects we know we use (a name on an arbitrary object cannot be told
 # apart from our own ``obj._x`` by the AST alone)
 KNOWN_PRIVATE_ATTRIBUTES = frozenset(
     {"_parameters", "_buffers", "_schema", "_base", "_per_optimizer_states", "_input_metadata", "_skip_backward"}
+    | {"_update_count", "_copy_state_dict", "_forward_cache", "_to_sync", "_should_unsync", "_computed", "_reduce_states"}
 )
 
 
@@ -278,8 +279,8 @@ def test_private_upstream_names_live_in_compat_modules():
         for hit in _private_uses(module)
     ]
     assert not wrong, (
-        "private torch/Lightning names belong in strategies/_lightning_compat.py, runtime/_torch_compat.py or "
-        "model/_torch_compat.py (each with a test):\n" + "\n".join(sorted(set(wrong)))
+        "private torch/Lightning names belong in strategies/_lightning_compat.py, runtime/_torch_compat.py, "
+        "model/_torch_compat.py or model/_torchmetrics_compat.py (each with a test):\n" + "\n".join(sorted(set(wrong)))
     )
 
 

@@ -1,5 +1,5 @@
 """Every private torch name ``model/`` touches, each in one place with a test
-(tests/model/test_torch_compat.py). ``model/`` sits below ``runtime/`` and cannot use
+(tests/runtime/test_torch_compat.py). ``model/`` sits below ``runtime/`` and cannot use
 ``runtime/_torch_compat.py``, which re-exports the names both layers need from here.
 """
 

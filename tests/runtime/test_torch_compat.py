@@ -87,3 +87,35 @@ def test_model_names():
     assert model_compat.legacy_reduction(False, None) == "sum"
     base = torch.ones(4)
     assert model_compat.view_base(base[1:]) is base and model_compat.view_base(base) is None
+
+
+def test_torchmetrics_private_names_merge_a_batch_state_as_forward_does():
+    from torchmetrics.aggregation import SumMetric
+
+    from lightning_pipe.model import _torchmetrics_compat as metrics_compat
+
+    metric = SumMetric()
+    metrics_compat.check_metric(metric)
+    metric.update(torch.tensor(2.0))
+    saved, count = metrics_compat.state_copy(metric), metrics_compat.update_count(metric)
+    assert count == 1
+    metric.reset()
+    metric.update(torch.tensor(3.0))  # the batch
+    assert metrics_compat.batch_compute(metric).item() == 3.0
+    metrics_compat.set_update_count(metric, count + 1)
+    metrics_compat.reduce_states(metric, saved)
+    metrics_compat.clear_computed(metric)
+    assert metric.compute().item() == 5.0 and metrics_compat.update_count(metric) == 2
+    metrics_compat.set_forward_cache(metric, torch.tensor(3.0))
+    assert metrics_compat.forward_cache(metric).item() == 3.0
+
+
+def test_an_unknown_torchmetrics_says_which_file_to_update():
+    from torchmetrics.aggregation import SumMetric
+
+    from lightning_pipe.model import _torchmetrics_compat as metrics_compat
+
+    metric = SumMetric()
+    del metric._forward_cache
+    with pytest.raises(RuntimeError, match=r"\['_forward_cache'\].*_torchmetrics_compat.py"):
+        metrics_compat.check_metric(metric)
