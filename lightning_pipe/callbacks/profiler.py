@@ -24,6 +24,8 @@ import lightning as L
 
 from lightning_pipe.profiling.estimate import format_fits, probe_grid, probe_lengths, save_profile
 
+__all__ = ["PipelineProfiler", "format_fits", "save_profile"]  # the last two live in profiling/estimate.py
+
 log = logging.getLogger(__name__)
 
 
@@ -93,6 +95,3 @@ class PipelineProfiler(L.Callback):
             save_profile(self.estimate, self.output)
         if self.use:
             costs.use(self.estimate)
-
-
-__all__ = ["PipelineProfiler", "format_fits", "save_profile"]  # the last two live in profiling/estimate.py
