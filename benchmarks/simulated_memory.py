@@ -62,7 +62,7 @@ def measure_block_coefficients() -> dict[str, tuple[float, float]]:
 
     from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
     from lightning_pipe.runtime.memory import MemoryRuntime
-    from lightning_pipe.runtime.memory_profile import measure_stages
+    from lightning_pipe.profiling.memory_profile import measure_stages
     from lightning_pipe.strategies.memory import build_profile
 
     rows, values = [], {m: [] for m in MODES}

@@ -18,6 +18,7 @@ PACKAGES = [
     "lightning_pipe.planning",
     "lightning_pipe.model",
     "lightning_pipe.runtime",
+    "lightning_pipe.profiling",
     "lightning_pipe.export",
 ]
 TARGET = Path(__file__).with_name("api.md")

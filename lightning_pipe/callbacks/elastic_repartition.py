@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import lightning as L
 
@@ -41,6 +41,9 @@ from lightning_pipe.planning.memory_model import parse_size
 from lightning_pipe.planning.migration import estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.trigger import StepPrediction, TriggerConfig, TriggerDecision, decide_repartition
+
+if TYPE_CHECKING:
+    from lightning_pipe.strategies import PipelineStrategy
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +195,7 @@ class ElasticRepartition(L.Callback):
         self._time_scale_count = 0
         self._pending: dict[str, Any] = {}
         self._model_ready = False
-        self._strategy: Any = None
+        self._strategy: PipelineStrategy | None = None
 
     # --- Lightning hooks ---------------------------------------------------------------------------
 
@@ -332,7 +335,7 @@ class ElasticRepartition(L.Callback):
 
     # --- planning ------------------------------------------------------------------------------------
 
-    def _set_cost_model(self, strategy: Any, batch: Any, per_replica: list[list[list[int]]]) -> None:
+    def _set_cost_model(self, strategy: PipelineStrategy, batch: Any, per_replica: list[list[list[int]]]) -> None:
         costs = strategy.costs
         if isinstance(self.cost_model, (str, Path)):
             costs.load(self.cost_model)
@@ -369,7 +372,7 @@ class ElasticRepartition(L.Callback):
         )
         return _Plan(candidate, current, recent, time.perf_counter() - started)
 
-    def _decide(self, strategy: Any, trainer: L.Trainer, plan: _Plan, batch_idx: int) -> TriggerDecision:
+    def _decide(self, strategy: PipelineStrategy, trainer: L.Trainer, plan: _Plan, batch_idx: int) -> TriggerDecision:
         differs = tuple(plan.candidate.boundaries) != tuple(strategy.boundaries)
         if self._migration_seconds:
             migration_seconds = sum(self._migration_seconds) / len(self._migration_seconds)

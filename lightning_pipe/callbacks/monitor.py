@@ -41,14 +41,17 @@ import resource
 import sys
 import time
 import dataclasses
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipe.schedules import ActionCosts, ActionType, TimedAction, simulate
+
+if TYPE_CHECKING:
+    from lightning_pipe.strategies import PipelineStrategy
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +97,29 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 def _tokens(batch: Any) -> int:
     """Token count of a batch: elements of its first tensor with a batch dimension."""
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.numel())
-    return 0
+    tensor = _first_batched_tensor(batch)
+    return 0 if tensor is None else int(tensor.numel())
 
 
-def _memory_plan_counts(strategy: Any) -> tuple[int, int]:
+def _first_batched_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor with a dimension, walking the containers torch's pytree walks (dicts, lists,
+    tuples, named tuples, deques) in its order, without its private module."""
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.dim() > 0 else None
+    if type(tree) in (dict, OrderedDict, defaultdict):
+        children: Any = tree.values()
+    elif type(tree) in (list, tuple, deque) or (isinstance(tree, tuple) and hasattr(type(tree), "_fields")):
+        children = tree
+    else:
+        return None
+    for child in children:
+        found = _first_batched_tensor(child)
+        if found is not None:
+            return found
+    return None
+
+
+def _memory_plan_counts(strategy: PipelineStrategy) -> tuple[int, int]:
     """Block runs of one step under recomputation and under activation offload, by the memory plan."""
     memory = getattr(strategy, "memory", None)
     if memory is None or memory.plan.is_empty:
@@ -243,7 +262,7 @@ class PipelineMonitor(L.Callback):
         self._step_started = 0.0
         self._migrated = 0
 
-    def _strategy(self, trainer: L.Trainer) -> Any:
+    def _strategy(self, trainer: L.Trainer) -> PipelineStrategy:
         from lightning_pipe.strategies import ElasticPipelineStrategy
 
         if not isinstance(trainer.strategy, ElasticPipelineStrategy):
@@ -310,7 +329,7 @@ class PipelineMonitor(L.Callback):
         if draw:
             self._draw(trainer, strategy, reports, step)
 
-    def _summarize(self, strategy: Any, reports: list[RankReport], step: int, step_s: float, tokens: int) -> StepSummary:
+    def _summarize(self, strategy: PipelineStrategy, reports: list[RankReport], step: int, step_s: float, tokens: int) -> StepSummary:
         events, makespan, busy = measured_step(reports)
         stage_compute: dict[int, float] = {}
         for e in events:
@@ -348,7 +367,7 @@ class PipelineMonitor(L.Callback):
         with open(os.path.join(self._directory(trainer), "pipeline_steps.jsonl"), "a") as f:
             f.write(json.dumps(asdict(summary)) + "\n")
 
-    def _draw(self, trainer: L.Trainer, strategy: Any, reports: list[RankReport], step: int) -> None:
+    def _draw(self, trainer: L.Trainer, strategy: PipelineStrategy, reports: list[RankReport], step: int) -> None:
         from lightning_pipe.schedules.render import render_png
 
         events, makespan, busy = measured_step(reports)

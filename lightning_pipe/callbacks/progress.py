@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+if TYPE_CHECKING:
+    from lightning_pipe.strategies import PipelineStrategy
 
-def describe_pipeline(strategy: Any) -> str:
+
+def describe_pipeline(strategy: PipelineStrategy) -> str:
     """Short text of the running plan, e.g. ``"2 ranks, 4 stages, zbv, 8 mb"``."""
     num_stages = len(strategy.boundaries) - 1
     return f"{strategy.pipeline_parallel_size} ranks, {num_stages} stages, {strategy.schedule.name}, {strategy.num_microbatches} mb"

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import lightning as L
 
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.schedules import AutoScheduleRow, Schedule, auto_schedule, resolve_schedule
+
+if TYPE_CHECKING:
+    from lightning_pipe.strategies import PipelineStrategy
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class ScheduleSwitch(L.Callback):
         self.switches.append((count, schedule.name))
         log.info("ScheduleSwitch: %s %d -> schedule %s", self.unit, count, schedule.name)
 
-    def _auto_schedule(self, strategy: Any, batch: Any) -> Schedule:
+    def _auto_schedule(self, strategy: PipelineStrategy, batch: Any) -> Schedule:
         """The fastest candidate for this batch's costs, or the running schedule (see ``rule="auto"``)."""
         costs = strategy.costs
         per_replica = costs.replica_values(costs.microbatch_lengths(batch, self.lengths_fn))

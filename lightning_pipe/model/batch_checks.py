@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_pipe.model._torch_compat import BatchNormBase
 
 
 def find_time_major_modules(module: nn.Module) -> list[tuple[str, str]]:
@@ -25,7 +26,7 @@ def find_time_major_modules(module: nn.Module) -> list[tuple[str, str]]:
 
 def find_sample_mixing_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every batch-normalization layer (statistics over the samples in training)."""
-    return [(name, child) for name, child in module.named_modules() if isinstance(child, _BatchNorm)]
+    return [(name, child) for name, child in module.named_modules() if isinstance(child, BatchNormBase)]
 
 
 def describe_modules(found: list[tuple[str, object]], limit: int = 3) -> str:

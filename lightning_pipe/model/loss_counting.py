@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_pipe.model._torch_compat import legacy_reduction
+
 MEAN = "mean"
 SUM = "sum"
 
@@ -143,7 +145,7 @@ class LossCounter(TorchFunctionMode):
         arguments = bound.arguments
         reduction = arguments.get("reduction", "mean")
         if arguments.get("size_average") is not None or arguments.get("reduce") is not None:
-            reduction = torch.nn._reduction.legacy_get_string(arguments.get("size_average"), arguments.get("reduce"))
+            reduction = legacy_reduction(arguments.get("size_average"), arguments.get("reduce"))
         with torch.no_grad():
             if func in _INDEXED:
                 count = _indexed_count(arguments, func)

@@ -29,9 +29,21 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.metric import CompositionalMetric
+
+from lightning_pipe.model._torch_compat import tree_map
+from lightning_pipe.model._torchmetrics_compat import (
+    batch_compute,
+    check_metric,
+    clear_computed,
+    forward_cache,
+    reduce_states,
+    set_forward_cache,
+    set_update_count,
+    state_copy,
+    update_count,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class MetricStates:
         }
         self._names = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
         for metric in self.metrics.values():
+            check_metric(metric)
             if metric.process_group is None and data_parallel_group is not None:
                 metric.process_group = data_parallel_group
         self._saved: dict[str, tuple[dict[str, Any], int]] = {}
@@ -92,7 +105,7 @@ class MetricStates:
     def begin(self) -> None:
         """Before the step's first microbatch: put states aside, reset, watch ``forward`` results."""
         for name, metric in self.metrics.items():
-            self._saved[name] = (metric._copy_state_dict(), metric._update_count)
+            self._saved[name] = (state_copy(metric), update_count(metric))
             metric.reset()
             self._hooks.append(metric.register_forward_hook(self._watch(name)))
 
@@ -115,14 +128,14 @@ class MetricStates:
         updates = {}
         for name, metric in self.metrics.items():
             saved, count = self._saved.pop(name)
-            if metric._update_count == 0:
+            if update_count(metric) == 0:
                 _restore(metric, saved, count)
                 continue
-            value = _batch_value(metric) if name in forwarded else None
-            calls = max(1, metric._update_count // num_microbatches)
-            batch_state = metric._copy_state_dict()
+            value = batch_compute(metric) if name in forwarded else None
+            calls = max(1, update_count(metric) // num_microbatches)
+            batch_state = state_copy(metric)
             _merge(metric, saved, count + calls)
-            metric._forward_cache = value
+            set_forward_cache(metric, value)
             updates[name] = BatchUpdate(tree_map(_to_cpu, batch_state), calls, tree_map(_to_cpu, value))
         return updates
 
@@ -151,18 +164,18 @@ class MetricStates:
         """Merge the last stage's batch states into this rank's metrics (not on the last stage)."""
         for name, update in updates.items():
             metric = self.metrics[name]
-            saved, count = metric._copy_state_dict(), metric._update_count
+            saved, count = state_copy(metric), update_count(metric)
             for attr, value in update.state.items():
                 setattr(metric, attr, tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, value))
             _merge(metric, saved, count + update.updates)
-            metric._forward_cache = tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, update.value)
+            set_forward_cache(metric, tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, update.value))
 
     def resolve(self, marker: Any, device: torch.device) -> Any:
         """The value to replay for a marker: the rank's own metric, or its batch value."""
         if isinstance(marker, MetricObject):
             return self._object(marker.name)
         if isinstance(marker, MetricValue):
-            return self._object(marker.name)._forward_cache
+            return forward_cache(self._object(marker.name))
         return marker
 
     def _object(self, name: str) -> Metric:
@@ -202,27 +215,15 @@ def _to_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, Tensor) else value
 
 
-def _batch_value(metric: Metric) -> Any:
-    """``compute`` over the current (batch) state, synchronised only as ``forward`` would."""
-    to_sync, unsync, cached = metric._to_sync, metric._should_unsync, metric.compute_with_cache
-    metric._to_sync, metric._should_unsync, metric._computed = metric.dist_sync_on_step, False, None
-    try:
-        with torch.no_grad():
-            return metric.compute()
-    finally:
-        metric._to_sync, metric._should_unsync, metric._computed = to_sync, unsync, None
-        metric.compute_with_cache = cached
-
-
 def _merge(metric: Metric, saved: dict[str, Any], count: int) -> None:
     """Reduce the metric's current (batch) state with ``saved`` (the state before the batch)."""
-    metric._update_count = count
+    set_update_count(metric, count)
     with torch.no_grad():
-        metric._reduce_states(saved)
-    metric._computed = None
+        reduce_states(metric, saved)
+    clear_computed(metric)
 
 
 def _restore(metric: Metric, saved: dict[str, Any], count: int) -> None:
     for attr, value in saved.items():
         setattr(metric, attr, value)
-    metric._update_count = count
+    set_update_count(metric, count)

@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_pipe.model._torch_compat import tree_flatten, tree_map, view_base
 
 Source = tuple  # ("param", name) | ("block", index) | ("inside", index) | ("unknown",)
 
@@ -146,7 +147,7 @@ class PlaceholderMode(TorchFunctionMode):
         if isinstance(value, nn.Parameter) or id(value) in self.parameter_names:
             return
         value.__dict__[_TAG] = (self._run, sources | self._own_tag(value))
-        base = value._base
+        base = view_base(value)
         if base is not None and not isinstance(base, nn.Parameter) and id(base) not in self.parameter_names:
             base.__dict__[_TAG] = (self._run, sources | self._own_tag(base))
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+
+from lightning_pipe.model._torch_compat import tree_flatten
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 _MAX_OBSERVATIONS = 6

@@ -7,6 +7,8 @@ from torch import nn
 
 from lightning_pipe.model.units import UnitLayout
 
+from lightning_pipe.model._torch_compat import tensor_registries
+
 
 def owned_units(boundaries: tuple[int, ...] | list[int], stages: tuple[int, ...] | list[int]) -> set[int]:
     """Units held by a rank running ``stages`` of a partition given as block boundaries.
@@ -39,7 +41,7 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
     replaced: dict[int, torch.Tensor] = {}
     for path, module in root.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
-        for registry in (module._parameters, module._buffers):
+        for registry in tensor_registries(module):
             for name, tensor in registry.items():
                 if tensor is None:
                     continue
@@ -59,7 +61,7 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
 
 def move_real_tensors(root: nn.Module, device: torch.device) -> None:
     """Move every non-meta parameter and buffer to ``device`` (``Module.to`` fails on meta tensors)."""
-    shard_module_tensors = [(m, reg) for _, m in root.named_modules() for reg in (m._parameters, m._buffers)]
+    shard_module_tensors = [(m, reg) for _, m in root.named_modules() for reg in tensor_registries(m)]
     for _, registry in shard_module_tensors:
         for name, tensor in registry.items():
             if tensor is not None and tensor.device.type != "meta" and tensor.device != device:

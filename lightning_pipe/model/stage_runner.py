@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_pipe.model.blocks import BlockStack
 from lightning_pipe.model.placeholders import PlaceholderMode, describe_sources, find_tainted
+from lightning_pipe.model._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_pipe.model.shape_rules import ShapeRules, TensorSpec
 
 

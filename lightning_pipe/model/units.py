@@ -25,6 +25,8 @@ from torch import nn
 
 from lightning_pipe.model.blocks import BlockStack
 
+from lightning_pipe.model._torch_compat import tensor_registries
+
 
 @dataclass(frozen=True)
 class UnitLayout:
@@ -131,7 +133,7 @@ def registered_tensors(root: nn.Module, stack: BlockStack) -> dict[int, list[tup
             continue
         unit = _unit_of_module(path, stack.path, stack.num_blocks, after_stack=seen_stack and not in_stack)
         prefix = f"{path}." if path else ""
-        for registry, is_parameter in ((module._parameters, True), (module._buffers, False)):
+        for registry, is_parameter in zip(tensor_registries(module), (True, False)):
             for name, tensor in registry.items():
                 if tensor is not None:
                     owners[id(tensor)].append((unit, prefix + name, is_parameter))

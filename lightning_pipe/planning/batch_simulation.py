@@ -6,8 +6,8 @@ per program into a list of max/plus operations and run on vectors with one entry
 thousands of partitions cost about as much as a few single simulations.
 
 Semantics are those of ``simulate`` (and tested against it): a rank runs its actions in order; a
-compute action lasts its cost (``RECOMPUTE`` a forward, ``I`` and ``W`` half a backward, a custom
-instruction its fixed seconds); a send takes no time; a receive ends at
+compute action lasts its cost as :mod:`lightning_pipe.schedules.action_rules` says (``RECOMPUTE`` a
+forward, ``I`` and ``W`` half a backward, a custom instruction its fixed seconds); a send takes no time; a receive ends at
 ``max(its start, send end + transfer time of the boundary)``. The order in which ``simulate``
 appends events does not depend on durations (it sweeps ranks until each blocks on a receive), so one
 run with unit costs gives a valid evaluation order for every partition.
@@ -20,12 +20,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_pipe.schedules import ActionCosts, Program, simulate
+from lightning_pipe.schedules.action_rules import ACTION_RULES
 from lightning_pipe.schedules.ir import Action, ActionType
 
 _SEND_TO_RECV = {ActionType.SEND_F: (ActionType.RECV_F, +1), ActionType.SEND_B: (ActionType.RECV_B, -1)}
 
 # What an operation adds to its start time.
 _NOTHING, _FORWARD, _BACKWARD, _HALF_BACKWARD, _CONSTANT = range(5)
+
+
+def _operation_kind(action: Action, simulated_seconds: float) -> tuple[int, float]:
+    """The operation kind of ``action`` from its row of the action-rule table, and its constant seconds
+    (a custom instruction's, as the unit-cost simulation timed it)."""
+    rule = ACTION_RULES[action.type]
+    if rule.forward_share == 1.0 and not rule.backward_share:
+        return _FORWARD, 0.0
+    if rule.backward_share == 1.0 and not rule.forward_share:
+        return _BACKWARD, 0.0
+    if rule.backward_share == 0.5 and not rule.forward_share:
+        return _HALF_BACKWARD, 0.0
+    assert not (rule.forward_share or rule.backward_share), f"no operation kind for the shares of {action.type}"
+    if rule.duration == "instruction" and simulated_seconds > 0:
+        return _CONSTANT, simulated_seconds
+    return _NOTHING, 0.0
 
 
 @dataclass(frozen=True)
@@ -87,15 +104,7 @@ class CompiledProgram:
             elif action.type in (ActionType.RECV_F, ActionType.RECV_B):
                 sender = sends[(action.type, action.stage, action.microbatch)]
                 boundary = min(action.stage, result.events[sender].action.stage)
-            kind, seconds = _NOTHING, 0.0
-            if action.type in (ActionType.FORWARD, ActionType.RECOMPUTE):
-                kind = _FORWARD
-            elif action.type is ActionType.BACKWARD:
-                kind = _BACKWARD
-            elif action.type in (ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT):
-                kind = _HALF_BACKWARD
-            elif action.type is ActionType.CUSTOM and event.end > event.start:
-                kind, seconds = _CONSTANT, event.end - event.start
+            kind, seconds = _operation_kind(action, event.end - event.start)
             operations.append(
                 Operation(
                     action, last[event.rank], sender, boundary, kind, action.stage, action.microbatch or 0, seconds

@@ -15,8 +15,9 @@ Peak memory needs no bound: the simulator counts static bytes plus saved activat
 which (stage, microbatch) pairs are alive after each action depends on the program order only, so
 :class:`ProgramAnalysis` computes the simulator's peak memory exactly from stage costs.
 
-Pure numpy; mirrors the accounting of :func:`lightning_pipe.schedules.simulate` (sends take no time,
-a receive ends no earlier than its send plus the transfer time, ``I`` and ``W`` cost half a ``B``).
+Pure numpy; the accounting of :func:`lightning_pipe.schedules.simulate` (sends take no time, a
+receive ends no earlier than its send plus the transfer time), with durations and memory read from
+the one table of :mod:`lightning_pipe.schedules.action_rules` (``I`` and ``W`` cost half a ``B``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds, saves_again
 from lightning_pipe.schedules.ir import Action, ActionType, Program
 
 _SEND_TO_RECV = {ActionType.SEND_F: (ActionType.RECV_F, +1), ActionType.SEND_B: (ActionType.RECV_B, -1)}
-_RELEASE = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -55,21 +56,11 @@ def _empty_chain(program: Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _charge(action: Action, forward: np.ndarray, backward: np.ndarray) -> None:
-    kind, s, mb = action.type, action.stage, action.microbatch
-    if kind in (ActionType.FORWARD, ActionType.RECOMPUTE):
-        forward[s, mb] += 1
-    elif kind is ActionType.BACKWARD:
-        backward[s, mb] += 1
-    elif kind in (ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT):
-        backward[s, mb] += 0.5
-
-
-def _custom_seconds(action: Action) -> float:
-    if action.type is not ActionType.CUSTOM or not action.name:
-        return 0.0
-    from lightning_pipe.schedules.instructions import get_instruction, is_registered_instruction
-
-    return get_instruction(action.name).seconds if is_registered_instruction(action.name) else 0.0
+    rule, s, mb = ACTION_RULES[action.type], action.stage, action.microbatch
+    if rule.forward_share:
+        forward[s, mb] += rule.forward_share
+    if rule.backward_share:
+        backward[s, mb] += rule.backward_share
 
 
 def _backward_kinds(program: Program) -> dict[tuple[int, int | None], ActionType]:
@@ -84,7 +75,7 @@ def _add_tail(program: Program, kinds: dict, last: Action, backward: np.ndarray,
         kind = kinds.get((s, last.microbatch))
         if kind is None:
             return
-        backward[s, last.microbatch] += 1.0 if kind is ActionType.BACKWARD else 0.5
+        backward[s, last.microbatch] += ACTION_RULES[kind].backward_share
         if program.rank_of(s) != program.rank_of(s + 1):
             transfer[s, last.microbatch] += 1
 
@@ -102,7 +93,7 @@ def rank_chain(program: Program, rank: int) -> Chain:
     actions = program.actions[rank]
     for action in actions:
         _charge(action, forward, backward)
-        constant += _custom_seconds(action)
+        constant += instruction_seconds(action)
     compute = [a for a in actions if a.type.is_compute]
     if compute and compute[0].type is ActionType.FORWARD:
         first = compute[0]
@@ -126,7 +117,7 @@ def path_chain(program: Program, path: Sequence[Action]) -> Chain:
     previous: Action | None = None
     for action in path:
         _charge(action, forward, backward)
-        constant += _custom_seconds(action)
+        constant += instruction_seconds(action)
         if previous is not None and previous.type in _SEND_TO_RECV:
             receive, step = _SEND_TO_RECV[previous.type]
             if (
@@ -181,7 +172,7 @@ def _alive_moments(program: Program, rank: int) -> np.ndarray:
     """0/1 ``[moment, stage, microbatch]`` of alive saved activations after each change (see simulate)."""
     actions = program.actions[rank]
     training = any(a.type.is_backward for acts in program.actions for a in acts)
-    recomputed = {(a.stage, a.microbatch) for a in actions if a.type is ActionType.RECOMPUTE}
+    recomputed = {(a.stage, a.microbatch) for a in actions if saves_again(a.type)}
     current = np.zeros((program.num_stages, program.num_microbatches))
     held: set[tuple[int, int]] = set()
     offloaded: set[tuple[int, int]] = set()
@@ -190,14 +181,15 @@ def _alive_moments(program: Program, rank: int) -> np.ndarray:
         key = (a.stage, a.microbatch)
         if a.microbatch is None:
             continue
-        if (a.type is ActionType.FORWARD and training and key not in recomputed) or a.type is ActionType.RECOMPUTE:
+        rule = ACTION_RULES[a.type]
+        if rule.saves and (not rule.starts_pair or (training and key not in recomputed)):
             held.add(key)
-        elif a.type in _RELEASE:
+        elif rule.frees:
             held.discard(key)
-        elif a.type is ActionType.OFFLOAD and key in held:
+        elif rule.offloads and key in held:
             held.discard(key)
             offloaded.add(key)
-        elif a.type is ActionType.RELOAD and key in offloaded:
+        elif rule.reloads and key in offloaded:
             offloaded.discard(key)
             held.add(key)
         else:

@@ -271,13 +271,6 @@ class CostModel:
             for start, stop in unit_ranges(bounds, self.num_blocks)
         )
 
-    @classmethod
-    def from_gpt(cls, num_layers: int, hidden: int, heads: int, vocab: int, **options: float | bool) -> CostModel:
-        """Analytic model of a GPT-style decoder; see :func:`lightning_pipe.planning.gpt.gpt_cost_model`."""
-        from lightning_pipe.planning.gpt import gpt_cost_model
-
-        return gpt_cost_model(num_layers, hidden, heads, vocab, **options)
-
     def with_full_recompute(self) -> CostModel:
         """The same model with every block fully recomputed: a block keeps only its input (its
         predecessor's output bytes per token) and its backward runs its forward again first.

@@ -6,7 +6,7 @@ the rest in backward (``"full"``), keep the input and the attention outputs and 
 (``"keep_attention"``, HelixPipe's recomputation without attention), or move them to host memory
 until backward (``"offload"``). A :class:`MemoryProfile` holds what each unit saves per microbatch
 in each mode (bytes, linear in tokens and squared lengths, measured on probe microbatches by
-``runtime.memory_profile``). :func:`predict_memory` walks a program's actions with those numbers and
+``profiling.memory_profile``). :func:`predict_memory` walks a program's actions with those numbers and
 returns every rank's peak (static bytes plus saved activations alive, plus a one-block transient
 while a recomputed or reloaded block is rebuilt in backward).
 
@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_pipe.planning.cost_model import LinearCost, MicrobatchShape
-from lightning_pipe.schedules.ir import ActionType, Program
+from lightning_pipe.schedules.action_rules import ACTION_RULES
+from lightning_pipe.schedules.ir import Program
 
 NONE, FULL, KEEP_ATTENTION, OFFLOAD = "none", "full", "keep_attention", "offload"
 BLOCK_MODES = (NONE, FULL, KEEP_ATTENTION, OFFLOAD)
@@ -398,10 +399,6 @@ class MemoryPrediction:
         return all(p <= budget for p in self.peak_bytes)
 
 
-_RELEASES = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
-_BACKWARD = (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
-
-
 def walk_memory(program: Program, rank: int, footprints: Sequence[Sequence[StageFootprint]], static: float):
     """Device bytes of ``rank`` after each of its actions: yields ``(index, saved, total, host)``.
 
@@ -414,19 +411,19 @@ def walk_memory(program: Program, rank: int, footprints: Sequence[Sequence[Stage
     for index, action in enumerate(program.actions[rank]):
         if action.microbatch is None:
             continue
-        key = (action.stage, action.microbatch)
+        key, rule = (action.stage, action.microbatch), ACTION_RULES[action.type]
         transient = 0.0
-        if action.type is ActionType.FORWARD:
+        if rule.starts_pair:
             fp = footprints[action.stage][action.microbatch]
             if key not in alive:
                 alive[key] = fp
                 saved += fp.saved
                 host += fp.offloaded
             transient = fp.forward_transient
-        elif action.type in _BACKWARD and key in alive:
+        elif rule.uses_saved and key in alive:
             transient = alive[key].backward_transient
         yield index, saved, static + saved + transient, host
-        if action.type in _RELEASES and key in alive:
+        if rule.frees and key in alive:
             fp = alive.pop(key)
             saved -= fp.saved
             host -= fp.offloaded

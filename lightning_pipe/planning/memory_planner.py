@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from lightning_pipe.planning.memory_model import (
     stage_footprints,
 )
 from lightning_pipe.schedules.costs import ActionCosts
-from lightning_pipe.schedules.instructions import get_instruction, is_registered_instruction
+from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds
 from lightning_pipe.schedules.ir import ActionType, Program
 from lightning_pipe.schedules.lowering import message_of
 from lightning_pipe.schedules.simulate import simulate
@@ -244,18 +244,18 @@ def _windows(program: Program, rank: int) -> list[tuple[frozenset, tuple[int, in
     for action in program.actions[rank]:
         if action.microbatch is None:
             continue
-        key = (action.stage, action.microbatch)
-        if action.type is ActionType.FORWARD:
+        key, rule = (action.stage, action.microbatch), ACTION_RULES[action.type]
+        if rule.starts_pair:
             alive.add(key)
             entry = (frozenset(alive), key, True)
-        elif action.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT):
+        elif rule.uses_saved:
             entry = (frozenset(alive), key, False)
         else:
             continue
         if entry not in seen:
             seen.add(entry)
             result.append(entry)
-        if action.type in (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT):
+        if rule.frees:
             alive.discard(key)
     return result
 
@@ -372,19 +372,46 @@ def _move_seconds(problem: _Problem, option: str, s: int, m: int) -> float:
 # --- MILP ----------------------------------------------------------------------------------------
 
 
-def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_limit: float) -> dict[str, np.ndarray] | None:
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_array
+@dataclass
+class _Rows:
+    """Sparse constraint rows ``lower <= sum(value * variable) <= upper`` in the order they are added."""
 
+    rows: list[int] = field(default_factory=list)
+    cols: list[int] = field(default_factory=list)
+    vals: list[float] = field(default_factory=list)
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+
+    def add(self, terms: dict[int, float], lo: float, hi: float) -> None:
+        r = len(self.lower)
+        for c, v in terms.items():
+            if v != 0:
+                self.rows.append(r)
+                self.cols.append(c)
+                self.vals.append(v)
+        self.lower.append(lo)
+        self.upper.append(hi)
+
+
+@dataclass
+class _Variables:
+    """Indices of the MILP's variables: block counts per (option, stage, microbatch) (diagonals may
+    share one), 0/1 indicators of a count being used, backward transients, action ends, makespan."""
+
+    count: dict[tuple[str, int, int], int]
+    indicator: dict[tuple[str, int, int], int]
+    transient: dict[tuple[int, int], int]
+    end: dict[int, int]
+    makespan: int | None
+    num: int
+
+
+def _milp_variables(
+    problem: _Problem, options: list[str], tie_diagonals: bool, num_operations: int, with_time: bool
+) -> _Variables:
     program = problem.program
     S, M = problem.base.shape
-    options = [o for o in problem.options if problem.gain[o].max() > 0]
-    if not options:
-        return _zero_counts(problem)
-
-    # variable index of each (option, stage, microbatch) count; diagonals share one
     names: dict = {}
-    count_var: dict[tuple[str, int, int], int] = {}
     diagonal = _diagonal_index(program) if tie_diagonals else None
 
     def new(name) -> int:
@@ -392,40 +419,32 @@ def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_lim
             names[name] = len(names)
         return names[name]
 
+    count: dict[tuple[str, int, int], int] = {}
     for o in options:
         for s in range(S):
             for m in range(M):
                 key = ("x", o, diagonal[(s, m)]) if diagonal is not None else ("x", o, s, m)
-                count_var[(o, s, m)] = new(key)
+                count[(o, s, m)] = new(key)
     indicator = {(o, s, m): new(("z", o, s, m)) for o in options for s in range(S) for m in range(M)}
     transient = {(s, m): new(("t", s, m)) for s in range(S) for m in range(M)}
-    with_time = objective == "makespan"
-    operations, last_of_rank = _operations(program) if with_time else ([], [])
-    end = {i: new(("e", i)) for i in range(len(operations))}
+    end = {i: new(("e", i)) for i in range(num_operations)}
     makespan = new(("T",)) if with_time else None
-    n = len(names)
+    return _Variables(count, indicator, transient, end, makespan, len(names))
 
-    rows, cols, vals, lower, upper = [], [], [], [], []
 
-    def add(terms: dict[int, float], lo: float, hi: float) -> None:
-        r = len(lower)
-        for c, v in terms.items():
-            if v != 0:
-                rows.append(r)
-                cols.append(c)
-                vals.append(v)
-        lower.append(lo)
-        upper.append(hi)
-
+def _add_memory_rows(rows: _Rows, problem: _Problem, options: list[str], v: _Variables) -> None:
+    """Counts within each stage's blocks, indicators and transients, and every rank's peak under the budget."""
+    program = problem.program
+    S, M = problem.base.shape
     # memory rows in units of the budget (bytes ~1e10 next to seconds ~1 would strain the solver's tolerances)
     unit = max(problem.budget, 1.0)
     big = float(problem.blocks.max())
     for s in range(S):
         for m in range(M):
-            add({count_var[(o, s, m)]: 1.0 for o in options}, -np.inf, problem.blocks[s])
+            rows.add({v.count[(o, s, m)]: 1.0 for o in options}, -np.inf, problem.blocks[s])
             for o in options:
-                add({count_var[(o, s, m)]: 1.0, indicator[(o, s, m)]: -big}, -np.inf, 0.0)
-                add({transient[(s, m)]: 1.0, indicator[(o, s, m)]: -problem.transient[o][s, m] / unit}, 0.0, np.inf)
+                rows.add({v.count[(o, s, m)]: 1.0, v.indicator[(o, s, m)]: -big}, -np.inf, 0.0)
+                rows.add({v.transient[(s, m)]: 1.0, v.indicator[(o, s, m)]: -problem.transient[o][s, m] / unit}, 0.0, np.inf)
     for rank in range(program.num_ranks):
         static = sum(problem.static_stage[s] for s in program.stages_of(rank))
         for window, (ps, pm), forward in _windows(program, rank):
@@ -434,18 +453,53 @@ def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_lim
             for s, m in window:
                 constant += problem.base[s, m]
                 for o in options:
-                    c = count_var[(o, s, m)]
+                    c = v.count[(o, s, m)]
                     terms[c] = terms.get(c, 0.0) - problem.gain[o][s, m] / unit
             if forward:
                 if OFFLOAD in options:
-                    c = indicator[(OFFLOAD, ps, pm)]
+                    c = v.indicator[(OFFLOAD, ps, pm)]
                     terms[c] = terms.get(c, 0.0) + problem.gain[OFFLOAD][ps, pm] / unit
             else:
-                terms[transient[(ps, pm)]] = terms.get(transient[(ps, pm)], 0.0) + 1.0
+                terms[v.transient[(ps, pm)]] = terms.get(v.transient[(ps, pm)], 0.0) + 1.0
             # a hair under the budget: HiGHS may violate rows by its feasibility tolerance (1e-7)
-            add(terms, -np.inf, (problem.budget - static - constant) / unit - 1e-6)
+            rows.add(terms, -np.inf, (problem.budget - static - constant) / unit - 1e-6)
 
-    cost = np.zeros(n)
+
+def _add_time_rows(
+    rows: _Rows, problem: _Problem, options: list[str], v: _Variables, operations: list, last_of_rank: list[int]
+) -> None:
+    """Each action ends after its predecessor on the rank (and its send) plus its duration, which the
+    recompute and offload counts lengthen; the makespan is after every rank's last action."""
+    for i, op in enumerate(operations):
+        terms = {v.end[i]: 1.0}
+        constant = 0.0
+        rule, s, m = ACTION_RULES[op.action.type], op.action.stage, op.action.microbatch
+        if rule.forward_share:
+            constant = problem.forward[s, m] * rule.forward_share
+            if OFFLOAD in options and rule.starts_pair:
+                terms[v.count[(OFFLOAD, s, m)]] = -problem.offload_forward_stall[s, m]
+        elif rule.backward_share:
+            constant = problem.backward[s, m] * rule.backward_share
+            for o in options:
+                c = v.count[(o, s, m)]
+                terms[c] = terms.get(c, 0.0) - problem.seconds[o][s, m]
+        else:
+            constant = instruction_seconds(op.action)
+        if op.previous >= 0:
+            rows.add({**terms, v.end[op.previous]: -1.0}, constant, np.inf)
+        else:
+            rows.add(terms, constant, np.inf)
+        if op.sender >= 0:
+            rows.add({v.end[i]: 1.0, v.end[op.sender]: -1.0}, problem.transfer[op.boundary, m], np.inf)
+    for last in last_of_rank:
+        if last >= 0:
+            rows.add({v.makespan: 1.0, v.end[last]: -1.0}, 0.0, np.inf)
+
+
+def _milp_cost(problem: _Problem, options: list[str], v: _Variables, with_time: bool) -> np.ndarray:
+    """The objective: the makespan (recompute seconds as a tie-breaker), or recompute seconds alone."""
+    S, M = problem.base.shape
+    cost = np.zeros(v.num)
     recompute_weight = {}
     multiplier = 2.0 if problem.split_backward else 1.0
     for o in options:
@@ -458,56 +512,52 @@ def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_lim
     if with_time:
         scale = max(float(problem.forward.max()), 1e-30)
         for (o, s, m), seconds in recompute_weight.items():
-            cost[count_var[(o, s, m)]] += 1e-3 * seconds / scale
-        cost[makespan] = 1.0 / scale
-        for i, op in enumerate(operations):
-            terms = {end[i]: 1.0}
-            constant = 0.0
-            kind, s, m = op.action.type, op.action.stage, op.action.microbatch
-            if kind in (ActionType.FORWARD, ActionType.RECOMPUTE):
-                constant = problem.forward[s, m]
-                if OFFLOAD in options and kind is ActionType.FORWARD:
-                    terms[count_var[(OFFLOAD, s, m)]] = -problem.offload_forward_stall[s, m]
-            elif kind in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT):
-                constant = problem.backward[s, m] * (1.0 if kind is ActionType.BACKWARD else 0.5)
-                for o in options:
-                    c = count_var[(o, s, m)]
-                    terms[c] = terms.get(c, 0.0) - problem.seconds[o][s, m]
-            elif kind is ActionType.CUSTOM and op.action.name and is_registered_instruction(op.action.name):
-                constant = get_instruction(op.action.name).seconds
-            if op.previous >= 0:
-                add({**terms, end[op.previous]: -1.0}, constant, np.inf)
-            else:
-                add(terms, constant, np.inf)
-            if op.sender >= 0:
-                add({end[i]: 1.0, end[op.sender]: -1.0}, problem.transfer[op.boundary, m], np.inf)
-        for last in last_of_rank:
-            if last >= 0:
-                add({makespan: 1.0, end[last]: -1.0}, 0.0, np.inf)
+            cost[v.count[(o, s, m)]] += 1e-3 * seconds / scale
+        cost[v.makespan] = 1.0 / scale
     else:
         for (o, s, m), seconds in recompute_weight.items():
-            cost[count_var[(o, s, m)]] += seconds
+            cost[v.count[(o, s, m)]] += seconds
+    return cost
 
-    integrality = np.zeros(n)
-    upper_bounds = np.full(n, np.inf)
-    for (o, s, m), c in count_var.items():
+
+def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_limit: float) -> dict[str, np.ndarray] | None:
+    """Recompute/offload block counts per (option, stage, microbatch) from a MILP (HiGHS), or None
+    when the solver finds no solution in ``time_limit`` seconds."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    options = [o for o in problem.options if problem.gain[o].max() > 0]
+    if not options:
+        return _zero_counts(problem)
+    with_time = objective == "makespan"
+    operations, last_of_rank = _operations(problem.program) if with_time else ([], [])
+    v = _milp_variables(problem, options, tie_diagonals, len(operations), with_time)
+    rows = _Rows()
+    _add_memory_rows(rows, problem, options, v)
+    if with_time:
+        _add_time_rows(rows, problem, options, v, operations, last_of_rank)
+    cost = _milp_cost(problem, options, v, with_time)
+
+    integrality = np.zeros(v.num)
+    upper_bounds = np.full(v.num, np.inf)
+    for (o, s, m), c in v.count.items():
         integrality[c] = 1
         upper_bounds[c] = min(upper_bounds[c], problem.blocks[s])
-    for c in indicator.values():
+    for c in v.indicator.values():
         integrality[c] = 1
         upper_bounds[c] = 1.0
-    matrix = coo_array((vals, (rows, cols)), shape=(len(lower), n)).tocsr()
+    matrix = coo_array((rows.vals, (rows.rows, rows.cols)), shape=(len(rows.lower), v.num)).tocsr()
     result = milp(
         cost,
-        constraints=LinearConstraint(matrix, np.array(lower), np.array(upper)),
+        constraints=LinearConstraint(matrix, np.array(rows.lower), np.array(rows.upper)),
         integrality=integrality,
-        bounds=Bounds(np.zeros(n), upper_bounds),
+        bounds=Bounds(np.zeros(v.num), upper_bounds),
         options={"time_limit": time_limit, "disp": False},
     )
     if result.x is None:
         return None
     counts = _zero_counts(problem)
-    for (o, s, m), c in count_var.items():
+    for (o, s, m), c in v.count.items():
         counts[o][s, m] = round(result.x[c])
     return counts
 

@@ -1,8 +1,37 @@
-"""Every private torch name the runtime touches, each in one place with a test (tests/runtime)."""
+"""Every private torch name the runtime and the profilers touch, each in one place with a test
+(tests/runtime/test_torch_compat.py): a torch upgrade that moves one breaks this file, with a
+message saying so, and nothing else.
+
+``model/`` cannot import this layer and keeps its own ``model/_torch_compat.py``; the names both need
+(pytree, a module's tensor dicts) are defined there and re-exported here.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import Tensor
 from torch.autograd.graph import Node
+
+# shared with model/ (which cannot import this layer): one definition each
+from lightning_pipe.model._torch_compat import private_name, tensor_registries, tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "TorchDispatchMode",
+    "flash_attention_cpu_ops",
+    "grad_output_count",
+    "op_argument_names",
+    "record_found_inf",
+    "tensor_registries",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "private_name",
+]
+
+# the base class of dispatch modes (the FLOP and saved-bytes counters of the cost probe)
+TorchDispatchMode = private_name("torch.utils._python_dispatch", "TorchDispatchMode", "runtime/_torch_compat.py")
 
 
 def grad_output_count(node: Node) -> int:
@@ -15,3 +44,42 @@ def grad_output_count(node: Node) -> int:
             "(zero-bubble schedules) needs the number of a node's gradient outputs: update runtime/_torch_compat.py."
         )
     return len(metadata)
+
+
+def op_argument_names(op: Any) -> list[str]:
+    """Argument names of an ATen op overload, from its private ``_schema``."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        raise RuntimeError(
+            f"torch op {op} has no `_schema` in this torch version; lightning-pipe reads argument names there: "
+            "update runtime/_torch_compat.py."
+        )
+    return [argument.name for argument in schema.arguments]
+
+
+def flash_attention_cpu_ops() -> tuple[Any, Any]:
+    """torch's private fused CPU attention kernels (forward, backward), the ones ``scaled_dot_product_attention``
+    dispatches to on CPU; the cost probe counts their FLOPs."""
+    try:
+        return (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        )
+    except (AttributeError, RuntimeError) as error:
+        raise RuntimeError(
+            "torch has no `aten._scaled_dot_product_flash_attention_for_cpu` in this version; lightning-pipe's cost "
+            "probe counts its FLOPs: update runtime/_torch_compat.py."
+        ) from error
+
+
+def record_found_inf(scaler: torch.amp.GradScaler, optimizer: Any, found_inf: Tensor) -> None:
+    """Record ``found_inf`` as ``scaler``'s verdict for ``optimizer`` in this iteration, as
+    ``scaler.step`` would, so that ``scaler.update()`` backs off or grows from it (the private
+    ``GradScaler._per_optimizer_states``)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        raise RuntimeError(
+            "torch.amp.GradScaler has no `_per_optimizer_states` in this torch version; lightning-pipe's 16-mixed "
+            "optimizer offload records the agreed overflow there: update runtime/_torch_compat.py."
+        )
+    states[id(optimizer)]["found_inf_per_device"][found_inf.device] = found_inf

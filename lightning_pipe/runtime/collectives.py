@@ -142,3 +142,42 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     with naming_failures("an all-gather", group):
         dist.all_gather_object(boxes, obj, group=group)
     return boxes
+
+
+def is_initialized() -> bool:
+    """Whether torch.distributed is built in and its default process group exists (a one-process run
+    has none: collectives are then skipped by their callers)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier(group: dist.ProcessGroup | None = None, operation: str | None = None) -> None:
+    """Wait until every rank of ``group`` (None: every process) arrives.
+
+    ``operation`` names the barrier in a :class:`~lightning_pipe.runtime.failures.CollectiveFailure`;
+    without it the barrier's own error propagates unchanged.
+    """
+    if operation is None:
+        dist.barrier(group=group)
+        return
+    with naming_failures(operation, group):
+        dist.barrier(group=group)
+
+
+def all_reduce_tensor(tensor: Tensor, op: str, operation: str, group: dist.ProcessGroup | None = None) -> Tensor:
+    """All-reduce ``tensor`` in place over ``group`` (None: every process) and return it.
+
+    Args:
+        tensor: a small tensor (a vote, a flag).
+        op: ``"sum"`` or ``"max"``.
+        operation: what the reduction is, for the error message of a failure.
+        group: the process group.
+    """
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    with naming_failures(operation, group):
+        dist.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (None: every process)."""
+    return dist.get_world_size(group)

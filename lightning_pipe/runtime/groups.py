@@ -90,3 +90,9 @@ def create_process_groups(layout: RankLayout, timeout: timedelta | None = None) 
             data_parallel = group
     assert pipeline is not None and data_parallel is not None
     return ProcessGroups(layout, pipeline, data_parallel, ends)
+
+
+def destroy_default_group() -> None:
+    """End this process's default process group if it has one (a worker's own, before it exits)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -33,12 +33,12 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_pipe.model.stage_runner import BlockWrapper
 from lightning_pipe.runtime.memory_accounting import AFTER_BLOCKS, BEFORE_BLOCKS, Holder, SavedActivationCounter
 from lightning_pipe.runtime.offload import ActivationOffloader
+from lightning_pipe.runtime._torch_compat import op_argument_names, tree_flatten
 
 NONE, FULL, KEEP_ATTENTION, OFFLOAD = "none", "full", "keep_attention", "offload"
 BLOCK_MODES = (NONE, FULL, KEEP_ATTENTION, OFFLOAD)
@@ -70,7 +70,7 @@ def _draws_random(op: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a call consumed random numbers (a seeded op, with a non-zero dropout if it has one)."""
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
-    names = [a.name for a in op._schema.arguments]
+    names = op_argument_names(op)
     if "dropout_p" in names:
         position = names.index("dropout_p")
         value = kwargs.get("dropout_p", args[position] if position < len(args) else 0.0)

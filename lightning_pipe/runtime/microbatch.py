@@ -224,6 +224,11 @@ def split_batch(batch: Any, num_microbatches: int, batch_dim: BatchDim = 0) -> l
     return plan_microbatches(batch, num_microbatches, batch_dim).split(batch)
 
 
+def tensor_shapes(value: Any) -> list[tuple[int, ...]]:
+    """Shapes of the tensors in ``value`` (a batch or a microbatch), in the batch's walking order."""
+    return [tuple(leaf.shape) for _, leaf in _leaves(value, ()) if isinstance(leaf, Tensor)]
+
+
 def describe_path(path: tuple) -> str:
     """``batch[0]``, ``batch['input_ids']``, ``batch.field``: how messages name an item."""
     text = "batch"

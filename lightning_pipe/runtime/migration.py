@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.model.units import UnitLayout
+from lightning_pipe.runtime._torch_compat import tensor_registries
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class _ParameterIndex:
     def replace(self, old: Tensor, new: Tensor, state: dict | None) -> None:
         """Put ``new`` wherever ``old`` is referenced; move or drop its optimizer state."""
         for module in self.root.modules():
-            for registry in (module._parameters, module._buffers):
+            for registry in tensor_registries(module):
                 for key, value in registry.items():
                     if value is old:
                         registry[key] = new

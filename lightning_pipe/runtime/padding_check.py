@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipe.model.metrics import metrics_inert
 from lightning_pipe.model.stage_runner import StageRunner, StageSpan
 from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime._torch_compat import tree_flatten
 from lightning_pipe.runtime.executor import PipelineExecutor, StepWork
 from lightning_pipe.runtime.microbatch import MicrobatchPlan
 from lightning_pipe.schedules.ir import Program

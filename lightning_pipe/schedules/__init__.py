@@ -26,7 +26,8 @@ from .instructions import (
 )
 from .ir import Action, ActionType, B, F, I, Program, W
 from .lowering import build_program, forward_only, insert_communication, place_stages
-from .registry import Schedule, available_schedules, register_schedule, resolve_schedule, unregister_schedule
+from .registry import Schedule, available_schedules, register_schedule, unregister_schedule
+from .resolve import resolve_schedule
 from .render import render_ascii, render_png, to_chrome_trace, write_chrome_trace
 from .simulate import SimulationResult, TimedAction, simulate
 from .text import format_action, format_csv, format_table, parse_action, parse_csv, parse_table

@@ -22,7 +22,8 @@ from typing import Any
 from .costs import ActionCosts
 from .dsl import build_spec, parse_spec
 from .ir import Program
-from .registry import Schedule, resolve_schedule
+from .registry import Schedule
+from .resolve import resolve_schedule
 from .simulate import simulate
 from .validate import ScheduleError
 

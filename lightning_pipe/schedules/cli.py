@@ -25,7 +25,8 @@ from .auto import auto_schedule, format_auto_table
 from .costs import ActionCosts
 from .dsl import PRESETS
 from .gallery import render_gallery
-from .registry import Schedule, available_schedules, resolve_schedule
+from .registry import Schedule, available_schedules
+from .resolve import resolve_schedule
 from .render import render_ascii, render_png, write_chrome_trace
 from .simulate import simulate
 from .text import format_table

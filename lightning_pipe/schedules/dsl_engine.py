@@ -135,134 +135,168 @@ def run_engine(settings: EngineSettings) -> list[list[Action]]:
     Raises:
         ScheduleError: when no rank can move while work remains (rule ``"deadlock"``).
     """
-    placement = settings.stage_to_rank
-    num_ranks, last = max(placement) + 1, len(placement) - 1
-    m = settings.num_microbatches
-    backward_kind = _I if settings.split_backward else _B
-    stages_of = [[s for s, r in enumerate(placement) if r == rank] for rank in range(num_ranks)]
-    next_mb = {(kind, s): 0 for s in range(len(placement)) for kind in (_F, backward_kind)}
-    completed: dict[tuple, int] = {}  # (type, stage, microbatch) -> step, for rules
-    never = float("inf")
-    # Step at which F / B-or-I of (stage, microbatch) ran: lists, because hashing tuples that hold
-    # Enum members (a Python-level __hash__) dominated the engine's time.
-    forward_step = [[never] * m for _ in placement]
-    backward_step = [[never] * m for _ in placement]
-    pending_w: list[deque[Action]] = [deque() for _ in range(num_ranks)]
-    pending_custom: list[deque[Action]] = [deque() for _ in range(num_ranks)]
-    in_flight = [0] * num_ranks  # distinct microbatches alive on the rank
-    alive = [[0] * m for _ in range(num_ranks)]  # per rank and microbatch: (stage, microbatch) pairs alive
-    phase = [[_F, 0] for _ in range(num_ranks)]  # interleaved priority: kind preferred now, count
-    started = [False] * num_ranks  # whether the rank ran a backward yet
-    forward_walk = [_Traversal(st, settings.forward_descending, settings.forward_interval) for st in stages_of]
-    backward_walk = [_Traversal(st, settings.backward_descending, settings.backward_interval) for st in stages_of]
-    anchors = [get_instruction(name) for name in settings.instructions]
-    orders: list[list[Action]] = [[] for _ in range(num_ranks)]
-    total = len(placement) * m * (3 if settings.split_backward else 2)
-    scheduled_compute = 0
-    step = idle_streak = 0
+    return _Engine(settings).run()
 
-    def ready(kind: ActionType, s: int, mb: int) -> bool:
+
+class _Engine:
+    """The DSL's step loop: at every step each rank runs at most one action, the first its priority
+    order allows (:meth:`kinds`, :meth:`pick`), and what ran updates the counters (:meth:`record`).
+
+    Step numbers live in lists indexed by stage and microbatch, not in dicts keyed by actions: hashing
+    tuples that hold Enum members (a Python-level ``__hash__``) dominated the engine's time.
+    """
+
+    def __init__(self, settings: EngineSettings) -> None:
+        placement = settings.stage_to_rank
+        self.settings = settings
+        self.num_ranks, self.last = max(placement) + 1, len(placement) - 1
+        self.num_stages = len(placement)
+        self.m = m = settings.num_microbatches
+        self.backward_kind = _I if settings.split_backward else _B
+        self.stages_of = [[s for s, r in enumerate(placement) if r == rank] for rank in range(self.num_ranks)]
+        self.next_mb = {(kind, s): 0 for s in range(len(placement)) for kind in (_F, self.backward_kind)}
+        self.completed: dict[tuple, int] = {}  # (type, stage, microbatch) -> step, for rules
+        never = float("inf")
+        # step at which F / B-or-I of (stage, microbatch) ran
+        self.forward_step = [[never] * m for _ in placement]
+        self.backward_step = [[never] * m for _ in placement]
+        self.pending_w: list[deque[Action]] = [deque() for _ in range(self.num_ranks)]
+        self.pending_custom: list[deque[Action]] = [deque() for _ in range(self.num_ranks)]
+        self.in_flight = [0] * self.num_ranks  # distinct microbatches alive on the rank
+        self.alive = [[0] * m for _ in range(self.num_ranks)]  # per rank and microbatch: pairs alive
+        self.phase = [[_F, 0] for _ in range(self.num_ranks)]  # interleaved priority: kind preferred now, count
+        self.started = [False] * self.num_ranks  # whether the rank ran a backward yet
+        self.forward_walk = [
+            _Traversal(st, settings.forward_descending, settings.forward_interval) for st in self.stages_of
+        ]
+        self.backward_walk = [
+            _Traversal(st, settings.backward_descending, settings.backward_interval) for st in self.stages_of
+        ]
+        self.anchors = [get_instruction(name) for name in settings.instructions]
+        self.orders: list[list[Action]] = [[] for _ in range(self.num_ranks)]
+        self.step = 0
+
+    def ready(self, kind: ActionType, s: int, mb: int) -> bool:
+        step = self.step
         if kind is _F:
-            return s == 0 or forward_step[s - 1][mb] < step
-        return forward_step[s][mb] < step and (s == last or backward_step[s + 1][mb] < step)
+            return s == 0 or self.forward_step[s - 1][mb] < step
+        return self.forward_step[s][mb] < step and (s == self.last or self.backward_step[s + 1][mb] < step)
 
-    def allowed(rank: int, action: Action) -> bool:
+    def allowed(self, rank: int, action: Action) -> bool:
+        settings = self.settings
         if not settings.rules:
             return True
-        context = RuleContext(rank, step, action, num_ranks, len(placement), m, placement, in_flight[rank], completed)
+        context = RuleContext(
+            rank, self.step, action, self.num_ranks, self.num_stages, self.m, settings.stage_to_rank,
+            self.in_flight[rank], self.completed,
+        )
         return all(rule(context) for rule in settings.rules)
 
-    def pick(rank: int, kind: ActionType) -> Action | None:
+    def pick(self, rank: int, kind: ActionType) -> Action | None:
         if kind is _W:
-            queue = pending_w[rank]
-            if queue and backward_step[queue[0].stage][queue[0].microbatch] < step and allowed(rank, queue[0]):
-                return queue[0]
-            return None
-        full = kind is _F and in_flight[rank] >= settings.max_in_flight[rank]
-        walk = forward_walk[rank] if kind is _F else backward_walk[rank]
+            queue = self.pending_w[rank]
+            if not queue or self.backward_step[queue[0].stage][queue[0].microbatch] >= self.step:
+                return None
+            return queue[0] if self.allowed(rank, queue[0]) else None
+        m, next_mb, alive = self.m, self.next_mb, self.alive[rank]
+        full = kind is _F and self.in_flight[rank] >= self.settings.max_in_flight[rank]
+        walk = self.forward_walk[rank] if kind is _F else self.backward_walk[rank]
         for s in walk.candidates(lambda s: next_mb[(kind, s)] < m):
             mb = next_mb[(kind, s)]
             if mb >= m:
                 continue
-            if full and not alive[rank][mb]:
+            if full and not alive[mb]:
                 continue  # a new microbatch would exceed max_in_flight; admitted ones may go on
             action = Action(s, kind, mb)
-            if ready(kind, s, mb) and allowed(rank, action):
+            if self.ready(kind, s, mb) and self.allowed(rank, action):
                 return action
         return None
 
-    def kinds(rank: int) -> list[ActionType]:
+    def kinds(self, rank: int) -> list[ActionType]:
+        settings, backward_kind = self.settings, self.backward_kind
         if settings.priority == "forward_first":
             order = [_F, backward_kind]
         elif settings.priority == "backward_first":
             order = [backward_kind, _F]
         else:
-            preferred = phase[rank][0]
+            preferred = self.phase[rank][0]
             other = backward_kind if preferred is _F else _F
             # Strict alternation once the rank has run a backward (Megatron's steady state): wait for
             # the preferred kind while it still has work on this rank.
-            strict = started[rank] and any(next_mb[(preferred, s)] < m for s in stages_of[rank])
+            strict = self.started[rank] and any(self.next_mb[(preferred, s)] < self.m for s in self.stages_of[rank])
             order = [preferred] if strict else [preferred, other]
         return order + ([_W] if settings.split_backward else [])
 
-    def record(rank: int, action: Action) -> None:
-        kind = action.type
+    def record(self, rank: int, action: Action) -> None:
+        settings, kind, backward_kind = self.settings, action.type, self.backward_kind
         if kind is _F or kind is backward_kind:
-            next_mb[(kind, action.stage)] += 1
-            (forward_walk if kind is _F else backward_walk)[rank].took(action.stage)
+            self.next_mb[(kind, action.stage)] += 1
+            (self.forward_walk if kind is _F else self.backward_walk)[rank].took(action.stage)
             if settings.priority == "interleaved":
                 unit = settings.forward_unit if kind is _F else settings.backward_unit
-                count = phase[rank][1] + 1 if phase[rank][0] is kind else 1
-                phase[rank] = [backward_kind if kind is _F else _F, 0] if count >= unit else [kind, count]
-        mb = action.microbatch
+                phase = self.phase[rank]
+                count = phase[1] + 1 if phase[0] is kind else 1
+                self.phase[rank] = [backward_kind if kind is _F else _F, 0] if count >= unit else [kind, count]
+        mb, alive, in_flight = action.microbatch, self.alive[rank], self.in_flight
         if kind is _F:
-            in_flight[rank] += alive[rank][mb] == 0
-            alive[rank][mb] += 1
+            in_flight[rank] += alive[mb] == 0
+            alive[mb] += 1
         else:
-            started[rank] = True
+            self.started[rank] = True
         if kind is _B or kind is _W:
-            alive[rank][mb] -= 1
-            in_flight[rank] -= alive[rank][mb] == 0
+            alive[mb] -= 1
+            in_flight[rank] -= alive[mb] == 0
         if kind is _I:
-            pending_w[rank].append(Action(action.stage, _W, action.microbatch))
+            self.pending_w[rank].append(Action(action.stage, _W, action.microbatch))
         elif kind is _W:
-            pending_w[rank].popleft()
-        for instruction in anchors:
-            if kind is instruction.after and instruction.applies_to(action.stage, action.microbatch, len(placement), m):
-                pending_custom[rank].append(custom_action(action.stage, instruction.name, action.microbatch))
+            self.pending_w[rank].popleft()
+        for instruction in self.anchors:
+            if kind is instruction.after and instruction.applies_to(
+                action.stage, action.microbatch, self.num_stages, self.m
+            ):
+                self.pending_custom[rank].append(custom_action(action.stage, instruction.name, action.microbatch))
 
-    while scheduled_compute < total or any(pending_custom):
+    def choose(self) -> list[tuple[int, Action]]:
+        """What every rank runs at this step (a pending instruction first, else its preferred action)."""
         chosen: list[tuple[int, Action]] = []
-        for rank in range(num_ranks):
-            if pending_custom[rank]:
-                chosen.append((rank, pending_custom[rank].popleft()))
+        for rank in range(self.num_ranks):
+            if self.pending_custom[rank]:
+                chosen.append((rank, self.pending_custom[rank].popleft()))
                 continue
-            for kind in kinds(rank):
-                action = pick(rank, kind)
+            for kind in self.kinds(rank):
+                action = self.pick(rank, kind)
                 if action is not None:
                     chosen.append((rank, action))
                     break
-        if not chosen:
-            idle_streak += 1
-            # Without rules an idle step changes nothing: deadlock. Rules may depend on the step
-            # number, so give them as many idle steps as there are actions before giving up.
-            if not settings.rules or idle_streak > total:
-                _deadlock(settings, orders, step, in_flight)
-        else:
-            idle_streak = 0
-        for rank, action in chosen:
-            if settings.rules:
-                completed[(action.type, action.stage, action.microbatch)] = step
-            if action.type is _F:
-                forward_step[action.stage][action.microbatch] = step
-            elif action.type is backward_kind:
-                backward_step[action.stage][action.microbatch] = step
-            orders[rank].append(action)
-            if action.type is not ActionType.CUSTOM:
-                scheduled_compute += 1
-                record(rank, action)
-        step += 1
-    return orders
+        return chosen
+
+    def run(self) -> list[list[Action]]:
+        settings = self.settings
+        total = self.num_stages * self.m * (3 if settings.split_backward else 2)
+        scheduled_compute = idle_streak = 0
+        while scheduled_compute < total or any(self.pending_custom):
+            chosen = self.choose()
+            if not chosen:
+                idle_streak += 1
+                # Without rules an idle step changes nothing: deadlock. Rules may depend on the step
+                # number, so give them as many idle steps as there are actions before giving up.
+                if not settings.rules or idle_streak > total:
+                    _deadlock(settings, self.orders, self.step, self.in_flight)
+            else:
+                idle_streak = 0
+            for rank, action in chosen:
+                if settings.rules:
+                    self.completed[(action.type, action.stage, action.microbatch)] = self.step
+                if action.type is _F:
+                    self.forward_step[action.stage][action.microbatch] = self.step
+                elif action.type is self.backward_kind:
+                    self.backward_step[action.stage][action.microbatch] = self.step
+                self.orders[rank].append(action)
+                if action.type is not ActionType.CUSTOM:
+                    scheduled_compute += 1
+                    self.record(rank, action)
+            self.step += 1
+        return self.orders
 
 
 def _deadlock(settings: EngineSettings, orders: list[list[Action]], step: int, in_flight: list[int]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .costs import ActionCosts
-from .registry import resolve_schedule
+from .resolve import resolve_schedule
 from .render import render_png
 from .simulate import SimulationResult, simulate
 

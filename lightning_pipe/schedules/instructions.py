@@ -1,9 +1,10 @@
 """User-registered instructions: new action kinds a schedule can carry (FlexPipe's ``register_new_inst``).
 
 A registered instruction appears in programs as ``Action(stage, ActionType.CUSTOM, microbatch,
-name=...)`` with the text token ``f"{stage}{name}{microbatch}"`` (``3SYNC7``). The runtime looks the
-instruction up by name and calls its ``runtime_function`` (a dotted path ``"package.module:function"``
-it imports, or a key it was given); the simulator charges ``seconds``. The DSL places it right after
+name=...)`` with the text token ``f"{stage}{name}{microbatch}"`` (``3SYNC7``). The simulator charges
+``seconds``; the runtime does not run instructions yet (``runtime_function``, a dotted path
+``"package.module:function"``, is recorded for it), so the strategy refuses a program holding one
+(:func:`~lightning_pipe.schedules.action_rules.check_executable`). The DSL places it right after
 its anchor action (``after``) on the rank of the anchor stage, every ``every`` microbatches.
 
 Example:

@@ -27,6 +27,11 @@ class ActionType(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    # Simulation and planning only (``action_rules.ACTION_RULES[kind].executed`` is False; the strategy
+    # refuses a program holding one before training). Kept in the IR rather than dropped: the simulator,
+    # validator and planners price recompute and offload with them, while the runtime applies a memory
+    # plan through block wrappers and saved-tensor hooks per (stage, microbatch), which explicit actions
+    # would only duplicate; running them as actions would be the larger change for no new behaviour.
     RECOMPUTE = "RECOMPUTE"  # memory action: recompute the stage's saved activations
     OFFLOAD = "OFFLOAD"  # memory action: move saved activations to host memory
     RELOAD = "RELOAD"  # memory action: bring offloaded activations back

@@ -4,7 +4,9 @@ A *family* is a pure function ``(num_ranks, num_microbatches, **options) -> Prog
 register themselves by name (``families/``); users may register their own. :class:`Schedule` is what
 the strategy holds: it knows how many stages per rank the model must be cut into
 (``num_stages = num_ranks * stages_per_rank``) before any program is built, and builds the program
-for a given pipeline size and microbatch count.
+for a given pipeline size and microbatch count. What a user writes (a name, a DSL spec, a dict)
+becomes a :class:`Schedule` in :mod:`lightning_pipe.schedules.resolve`, which knows the DSL; this
+module does not, so families and the DSL can both register here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ __all__ = [
     "unregister_schedule",
     "available_schedules",
     "get_family",
-    "resolve_schedule",
 ]
 
 ScheduleFunction = Callable[..., Program]
@@ -183,59 +184,3 @@ class Schedule:
                 f"{self.stages_per_rank} promises {expected} on {num_ranks} ranks"
             )
         return program
-
-
-def _schedule_for_family(name: str, options: Mapping[str, Any]) -> Schedule:
-    family = get_family(name)
-    options = dict(options)
-    stages_per_rank = int(options.pop("stages_per_rank", family.stages_per_rank))
-    if not family.accepts_stages_per_rank and stages_per_rank != family.stages_per_rank:
-        raise ValueError(
-            f"schedule {name!r} always uses stages_per_rank={family.stages_per_rank}, "
-            f"got stages_per_rank={stages_per_rank}"
-        )
-    return Schedule(name, stages_per_rank, options)
-
-
-def resolve_schedule(spec: Any) -> Schedule:
-    """Turn what a user wrote into a :class:`Schedule`.
-
-    Args:
-        spec: a family name (``"1f1b"``), a :class:`Schedule`, a DSL spec as text
-            (``"placement=circular stages_per_rank=2 priority=backward_first"``), a DSL dict
-            (``{"placement": "circular", ...}``), a :class:`~lightning_pipe.schedules.dsl.ScheduleSpec`,
-            or a family with options as a dict (``{"name": "interleaved_1f1b", "stages_per_rank": 4}``
-            or ``{"family": ...}``; a dict with DSL keys is a DSL spec and its ``name`` is a label).
-
-    Returns:
-        The schedule; nothing is built yet.
-
-    Raises:
-        ValueError: for an unknown name (listing the valid ones) or an invalid DSL spec.
-        TypeError: for anything else.
-    """
-    if isinstance(spec, Schedule):
-        return spec
-    if isinstance(spec, str):
-        text = spec.strip()
-        if text.lower() in _FAMILIES:
-            return _schedule_for_family(text.lower(), {})
-        if "=" not in text:
-            get_family(text)  # raises with the valid names
-    from . import dsl  # local import: the DSL registers itself here as the family "dsl"
-
-    if isinstance(spec, Mapping):
-        options = dict(spec)
-        family = options.pop("family", None)
-        # "name" names a family unless DSL keys are present (then it is the DSL spec's display name).
-        if family is None and "name" in options and not set(options) & dsl.DSL_KEYS:
-            family = options.pop("name")
-        if family is not None and family != "dsl":
-            return _schedule_for_family(str(family).lower(), options)
-        spec = options
-
-    if isinstance(spec, (str, Mapping, dsl.ScheduleSpec)):
-        return dsl.parse_spec(spec).to_schedule()
-    raise TypeError(
-        f"schedule must be a family name, a Schedule, a DSL spec string or dict, got {type(spec).__name__}: {spec!r}"
-    )

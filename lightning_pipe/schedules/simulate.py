@@ -1,7 +1,8 @@
 """Discrete-event simulator: how long a program takes, how idle each rank is, how much memory it holds.
 
-Each rank runs its actions in order. A compute action takes its cost from :class:`ActionCosts`
-(``RECOMPUTE`` costs a forward; a registered instruction costs its ``seconds``). A send takes no
+Each rank runs its actions in order. A compute action takes its cost from :class:`ActionCosts`, as
+the table of :mod:`~lightning_pipe.schedules.action_rules` says (``RECOMPUTE`` costs a forward; a
+registered instruction costs its ``seconds``). A send takes no
 time on the sender; the matching receive completes at ``max(issue time, send time + transfer)``.
 Memory is accounted per rank as static bytes plus the saved activations alive: a stage's saved
 bytes for a microbatch are held from its ``F`` until its ``B`` (until ``W`` for zero-bubble), not
@@ -15,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .action_rules import ACTION_RULES, instruction_seconds, saves_again
 from .costs import ActionCosts
-from .instructions import get_instruction, is_registered_instruction
 from .ir import Action, ActionType, Program
 from .lowering import message_key
 from .validate import ScheduleError, format_grid
@@ -24,7 +25,6 @@ from .validate import ScheduleError, format_grid
 __all__ = ["TimedAction", "SimulationResult", "simulate"]
 
 _SEND_F, _SEND_B, _RECV_F, _RECV_B = ActionType.SEND_F, ActionType.SEND_B, ActionType.RECV_F, ActionType.RECV_B
-_RELEASE = (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -90,24 +90,24 @@ def _check_costs(program: Program, costs: ActionCosts) -> None:
 
 
 def _duration(action: Action, costs: ActionCosts) -> float:
-    s, mb, kind = action.stage, action.microbatch, action.type
-    if kind in (ActionType.FORWARD, ActionType.RECOMPUTE):
+    s, mb, duration = action.stage, action.microbatch, ACTION_RULES[action.type].duration
+    if duration == "forward":
         return costs.forward[s][mb]
-    if kind is ActionType.BACKWARD:
+    if duration == "backward":
         return costs.backward[s][mb]
-    if kind is ActionType.BACKWARD_INPUT:
+    if duration == "input_gradient":
         return costs.input_gradient(s, mb)
-    if kind is ActionType.BACKWARD_WEIGHT:
+    if duration == "weight_gradient":
         return costs.weight_gradient(s, mb)
-    if kind is ActionType.CUSTOM and action.name and is_registered_instruction(action.name):
-        return get_instruction(action.name).seconds
+    if duration == "instruction":
+        return instruction_seconds(action)
     return 0.0
 
 
 def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> tuple[float, int]:
     """Peak bytes (static + saved) and peak in-flight pairs of one rank, from its action order."""
     static = sum(costs.static_bytes[s] for s in program.stages_of(rank)) if costs.static_bytes else 0.0
-    recomputed = {(a.stage, a.microbatch) for a in program.actions[rank] if a.type is ActionType.RECOMPUTE}
+    recomputed = {(a.stage, a.microbatch) for a in program.actions[rank] if saves_again(a.type)}
     held: dict[tuple[int, int | None], float] = {}
     offloaded: dict[tuple[int, int | None], float] = {}
     alive = peak = 0.0
@@ -116,23 +116,25 @@ def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> 
     for a in program.actions[rank]:
         key = (a.stage, a.microbatch)
         saved = costs.saved_bytes[a.stage][a.microbatch] if costs.saved_bytes and a.microbatch is not None else 0.0
-        if a.type is ActionType.FORWARD and training:
-            pairs[a.microbatch] = pairs.get(a.microbatch, 0) + 1
-            in_flight += pairs[a.microbatch] == 1
-            if key not in recomputed:
-                held[key] = saved
-                alive += saved
-        elif a.type is ActionType.RECOMPUTE:
+        rule = ACTION_RULES[a.type]
+        if rule.starts_pair:
+            if training:
+                pairs[a.microbatch] = pairs.get(a.microbatch, 0) + 1
+                in_flight += pairs[a.microbatch] == 1
+                if key not in recomputed:
+                    held[key] = saved
+                    alive += saved
+        elif rule.saves:  # saved again later in the step (RECOMPUTE)
             alive += saved - held.get(key, 0.0)
             held[key] = saved
-        elif a.type in _RELEASE:
+        elif rule.frees:
             pairs[a.microbatch] = pairs.get(a.microbatch, 0) - 1
             in_flight -= pairs[a.microbatch] == 0
             alive -= held.pop(key, 0.0)
-        elif a.type is ActionType.OFFLOAD and key in held:
+        elif rule.offloads and key in held:
             offloaded[key] = held.pop(key)
             alive -= offloaded[key]
-        elif a.type is ActionType.RELOAD and key in offloaded:
+        elif rule.reloads and key in offloaded:
             held[key] = offloaded.pop(key)
             alive += held[key]
         peak = max(peak, alive)
@@ -162,7 +164,32 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
     """
     _check_costs(program, costs)
     num_ranks = program.num_ranks
-    # Per rank and step: (0, duration) compute, (1, message) send, (2, message, transfer) receive.
+    run = _run(program, _compile(program, costs), record_events)
+    makespan = max(run.ends, default=0.0)
+    idle = tuple(makespan - b for b in run.busy)
+    bubble = sum(idle) / (num_ranks * makespan) if makespan > 0 else 0.0
+    training = any(
+        a.type is ActionType.BACKWARD or a.type is ActionType.BACKWARD_INPUT
+        for actions in program.actions
+        for a in actions
+    )
+    memory = [_memory(program, r, costs, training) for r in range(num_ranks)]
+    return SimulationResult(
+        name=program.name,
+        num_ranks=num_ranks,
+        makespan=makespan,
+        busy=tuple(run.busy),
+        idle=idle,
+        bubble_ratio=bubble,
+        peak_memory=tuple(m for m, _ in memory),
+        max_in_flight=tuple(n for _, n in memory),
+        critical_path=_critical_path(run.events, run.predecessor),
+        events=tuple(run.events),
+    )
+
+
+def _compile(program: Program, costs: ActionCosts) -> list[list[tuple]]:
+    """Per rank and step: ``(0, duration)`` compute, ``(1, message)`` send, ``(2, message, transfer)`` receive."""
     plans: list[list[tuple]] = []
     for actions in program.actions:
         plan: list[tuple] = []
@@ -176,13 +203,29 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
             else:
                 plan.append((0, _duration(a, costs)))
         plans.append(plan)
+    return plans
+
+
+@dataclass
+class _Run:
+    """What the event loop produced: every event's end, per-rank busy time, and (when recorded) the
+    events with the index of the event each waited on (-1: none)."""
+
+    ends: list[float]
+    busy: list[float]
+    events: list[TimedAction]
+    predecessor: list[int]
+
+
+def _run(program: Program, plans: list[list[tuple]], record_events: bool) -> _Run:
+    """Sweep the ranks, each running its steps until it blocks on a receive whose send has not run,
+    until no rank moves; then every rank must be done, or the program deadlocks."""
+    num_ranks = program.num_ranks
     clock = [0.0] * num_ranks
     pointer = [0] * num_ranks
-    busy = [0.0] * num_ranks
     last_event = [-1] * num_ranks
-    events: list[TimedAction] = []
-    ends: list[float] = []
-    predecessor: list[int] = []
+    run = _Run([], [0.0] * num_ranks, [], [])
+    ends, busy = run.ends, run.busy
     send_event: dict[tuple[int, int, int], int] = {}
     progress = True
     while progress:
@@ -207,8 +250,8 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
                     if step[0] == 1:
                         send_event[step[1]] = len(ends)
                 if record_events:
-                    predecessor.append(before)
-                    events.append(TimedAction(rank, actions[position], time, end))
+                    run.predecessor.append(before)
+                    run.events.append(TimedAction(rank, actions[position], time, end))
                 last_event[rank] = len(ends)
                 ends.append(end)
                 time = end
@@ -216,7 +259,12 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
             if position != pointer[rank]:
                 pointer[rank], clock[rank] = position, time
                 progress = True
-    blocked = [r for r in range(num_ranks) if pointer[r] < len(program.actions[r])]
+    _raise_if_blocked(program, pointer)
+    return run
+
+
+def _raise_if_blocked(program: Program, pointer: list[int]) -> None:
+    blocked = [r for r in range(program.num_ranks) if pointer[r] < len(program.actions[r])]
     if blocked:
         rank = blocked[0]
         waits = ", ".join(f"rank {r} waits on {program.actions[r][pointer[r]]}" for r in blocked)
@@ -228,27 +276,6 @@ def simulate(program: Program, costs: ActionCosts, *, record_events: bool = True
             action=program.actions[rank][pointer[rank]],
             grid=format_grid(program.actions, mark=(rank, pointer[rank]), window=12),
         )
-    makespan = max(ends, default=0.0)
-    idle = tuple(makespan - b for b in busy)
-    bubble = sum(idle) / (num_ranks * makespan) if makespan > 0 else 0.0
-    training = any(
-        a.type is ActionType.BACKWARD or a.type is ActionType.BACKWARD_INPUT
-        for actions in program.actions
-        for a in actions
-    )
-    memory = [_memory(program, r, costs, training) for r in range(num_ranks)]
-    return SimulationResult(
-        name=program.name,
-        num_ranks=num_ranks,
-        makespan=makespan,
-        busy=tuple(busy),
-        idle=idle,
-        bubble_ratio=bubble,
-        peak_memory=tuple(m for m, _ in memory),
-        max_in_flight=tuple(n for _, n in memory),
-        critical_path=_critical_path(events, predecessor),
-        events=tuple(events),
-    )
 
 
 def _critical_path(events: Sequence[TimedAction], predecessor: Sequence[int]) -> tuple[Action, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from .action_rules import ACTION_RULES
 from .instructions import is_registered_instruction
 from .ir import Action, ActionType, Program
 from .lowering import Message, _produces, is_communication, message_key, message_of, send_of
@@ -209,32 +210,19 @@ def _order_requirements(a: Action, rank: int, rank_of: Sequence[int], last: int)
 
     A key is ``(type, stage, microbatch)``, or a tuple of such keys when any one of them will do.
     """
-    s, mb, kind = a.stage, a.microbatch, a.type
-    if kind is _F:
-        if s == 0:
-            return []
-        if rank_of[s - 1] == rank:
-            return [((_F, s - 1, mb), "forward of the previous stage")]
-        return [((ActionType.RECV_F, s, mb), "receive of the previous stage's output")]
-    if kind is _B or kind is _I:
-        required = [((_F, s, mb), "its own forward")]
-        if s < last:
-            if rank_of[s + 1] == rank:
-                required.append((((_B, s + 1, mb), (_I, s + 1, mb)), "backward of the next stage"))
-            else:
-                required.append(((ActionType.RECV_B, s, mb), "receive of the next stage's gradient"))
-        return required
-    if kind is _W:
-        return [((_I, s, mb), "W needs its I first")]
-    if kind is ActionType.SEND_F:
-        return [((_F, s, mb), "the forward that produces it")]
-    if kind is ActionType.SEND_B:
-        return [(((_B, s, mb), (_I, s, mb)), "the backward that produces it")]
-    if kind is ActionType.RELOAD:
-        return [((ActionType.OFFLOAD, s, mb), "reload after offload")]
-    if kind is ActionType.OFFLOAD or kind is ActionType.RECOMPUTE:
-        return [((_F, s, mb), f"{kind.value.lower()} after the forward whose activations it handles")]
-    return []
+    s, mb = a.stage, a.microbatch
+    required: list[tuple[tuple, str]] = []
+    for dependency in ACTION_RULES[a.type].requires:
+        stage = s + dependency.stage_offset
+        if stage < 0 or stage > last:
+            continue
+        if dependency.stage_offset and rank_of[stage] != rank:
+            assert dependency.received_as is not None, dependency
+            required.append(((dependency.received_as, s, mb), dependency.received_reason))
+            continue
+        keys = tuple((kind, stage, mb) for kind in dependency.kinds)
+        required.append((keys[0] if len(keys) == 1 else keys, dependency.reason))
+    return required
 
 
 def _check_order(program: Program) -> None:

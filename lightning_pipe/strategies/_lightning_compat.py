@@ -13,17 +13,72 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable
 
+import importlib
+
+import lightning
 import torch
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
-from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_pipe.runtime.groups import destroy_default_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+
+def private_name(module: str, name: str) -> Any:
+    """``module.name`` from Lightning, or an ImportError saying that this file needs updating.
+
+    Raises:
+        ImportError: when this Lightning version has no such name.
+    """
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(
+            f"Lightning {lightning.__version__} has no private `{module}.{name}` that lightning-pipe relies on: "
+            "update lightning_pipe/strategies/_lightning_compat.py."
+        ) from error
+
+
+# (module, name) of every private Lightning name looked up here; tests/strategies/test_lightning_compat.py
+# checks each one (the attribute-level names, such as ``fit_loop._skip_backward``, have their own tests)
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device"),
+    ("lightning.pytorch.loops.fetchers", "_DataFetcher"),
+    ("lightning.pytorch.loops.fetchers", "_PrefetchDataFetcher"),
+    ("lightning.pytorch.strategies.launchers.launcher", "_Launcher"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
+)
+(
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp,
+    _optimizers_to_device,
+    _DataFetcher,
+    _PrefetchDataFetcher,
+    _Launcher,
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+    _SubprocessScriptLauncher,
+    _AcceleratorConnector,
+) = (private_name(module, name) for module, name in PRIVATE_NAMES)
+
+
+def sync_ddp(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """Lightning's reduction of a logged value over ``group`` (``_sync_ddp``: ``"mean"``, ``"sum"``,
+    a ``ReduceOp``), so ``self.log(..., sync_dist=True)`` reduces as in any Lightning strategy."""
+    return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """Move the optimizers' state tensors to ``device`` as Lightning's strategies do at teardown."""
+    _optimizers_to_device(optimizers, device)
 
 __all__ = [
     "PipelineMultiProcessingLauncher",
@@ -32,8 +87,11 @@ __all__ = [
     "_init_dist_connection",
     "fix_unbounded_epoch_description",
     "install_strategy_name_hint",
+    "optimizers_to_device",
     "peek_next_training_batch",
+    "private_name",
     "set_skip_backward",
+    "sync_ddp",
 ]
 
 
@@ -177,8 +235,7 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         # finalization while gloo's threads release tensors (pytorch/pytorch#190489). The worker's
         # process group is its own to end: the main process never joins it. (After an error the
         # worker exits anyway and torch's process context stops the others.)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_default_group()
 
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
         module = trainer.lightning_module

@@ -7,19 +7,18 @@ strategy's own ``partition="auto"``:
 * the microbatch lengths of a batch, split exactly as the strategy splits it, and the same lengths
   from every data-parallel replica (all replicas must run one partition: their stage ``s`` holds
   the same parameters, whose gradients they average);
-* a cost model without profiling: the meta-device probe of ``runtime.cost_probe``, made from shapes
+* a cost model without profiling: the meta-device probe of ``profiling.cost_probe``, made from shapes
   every rank agrees on, so every rank gets the same numbers;
 * a measured profile: each rank times the units it owns, rank 0 fits, every rank gets rank 0's fit;
 * the longest batch of the training data, for the static ``partition="auto"``.
 
-Lightning-free: it needs only the strategy's attributes.
+Lightning-free: it reads the strategy through a :class:`~lightning_pipe.strategies.context.PipelineContext`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,24 +28,21 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_pipe.model.blocks import BlockStack
-from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.runtime import collectives
-from lightning_pipe.runtime.cost_probe import CostEstimate, DeviceSpeed, count_units, fit_cost_model
-from lightning_pipe.runtime.memory_profile import sequence_lengths
+from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed
+from lightning_pipe.profiling.estimate import estimate_costs
+from lightning_pipe.profiling.memory_profile import sequence_lengths
 from lightning_pipe.runtime.microbatch import sample_ranges
-from lightning_pipe.runtime.unit_timing import fit_timings, time_units
+from lightning_pipe.strategies.context import PipelineContext
+from lightning_pipe.strategies.memory import StrategyMemory
+from lightning_pipe.profiling.unit_timing import fit_timings, time_units
 
 log = logging.getLogger(__name__)
 
 LengthsFn = Callable[[Any], Sequence[int]]
 """``lengths_fn(batch) -> one length per sample``; default: ``[T] * B`` of the token tensor ``[B, T]``."""
-
-# Assumed stage-to-stage link, (seconds per message, bytes per second), until migrations are measured.
-_LINK = {"cpu": (1e-4, 2e9), "cuda": (1e-5, 50e9)}
-
 
 class StrategyCosts:
     """Cost models and batch shapes of one ``ElasticPipelineStrategy`` (see the module docstring).
@@ -59,11 +55,20 @@ class StrategyCosts:
         self.speed = speed
         self.estimate: CostEstimate | None = None
         self.longest_batch_lengths: list[int] | None = None
-        self._strategy: Any = None
+        self._context: PipelineContext | None = None
+        self._memory: StrategyMemory | None = None
 
-    def setup(self, strategy: Any) -> None:
-        """Attach to the strategy (after sharding)."""
-        self._strategy = strategy
+    def setup(self, context: PipelineContext, memory: StrategyMemory) -> None:
+        """Attach to the strategy's context (after sharding); ``memory`` gives the static bytes per parameter."""
+        self._context = context
+        self._memory = memory
+
+    @property
+    def context(self) -> PipelineContext:
+        """The strategy's context (after :meth:`setup`)."""
+        if self._context is None:
+            raise RuntimeError("`StrategyCosts` is used before the strategy's setup gave it its context.")
+        return self._context
 
     # --- batches ---------------------------------------------------------------------------------
 
@@ -76,7 +81,7 @@ class StrategyCosts:
         Raises:
             ValueError: ``lengths_fn`` gives another number of lengths than the batch has samples.
         """
-        split = self._strategy.split_batch(batch)
+        split = self.context.split_batch(batch)
         plan = split.plan
         if lengths_fn is None:  # the length each microbatch runs at (its own when padding is cut)
             return [[int(n) for n in sequence_lengths(mb)] for mb in split.microbatches]
@@ -87,14 +92,14 @@ class StrategyCosts:
 
     def replica_values(self, value: Any) -> list[Any]:
         """``value`` of every data-parallel replica, in replica order (a collective when dp > 1)."""
-        strategy = self._strategy
-        if strategy.layout.data_parallel_size == 1:
+        context = self.context
+        if context.layout.data_parallel_size == 1:
             return [value]
-        return collectives.all_gather_objects(value, strategy.groups.data_parallel)
+        return collectives.all_gather_objects(value, context.groups.data_parallel)
 
     def max_over_ranks(self, value: float) -> float:
         """The largest ``value`` of all processes (a collective), so that every rank uses one number."""
-        if self._strategy.world_size == 1:
+        if self.context.world_size == 1:
             return float(value)
         return float(max(collectives.all_gather_objects(float(value), None)))
 
@@ -146,17 +151,18 @@ class StrategyCosts:
             max_length: the longest sample length to probe (every rank must pass the same).
             num_sequences: samples per probe microbatch (every rank must pass the same).
         """
-        strategy = self._strategy
-        microbatch = strategy.split_batch(batch).microbatches[0]
+        context = self.context
+        assert self._memory is not None
+        microbatch = context.split_batch(batch).microbatches[0]
         return estimate_costs(
-            strategy.lightning_module,
-            strategy.runner.stack,
-            strategy.unit_layout,
+            context.module,
+            context.runner.stack,
+            context.current().unit_layout,
             microbatch,
             max_length,
             num_sequences,
-            strategy.root_device,
-            strategy.memory.static_bytes_per_parameter_byte() - 2.0,
+            context.device,
+            self._memory.static_bytes_per_parameter_byte() - 2.0,
             self.speed,
         )
 
@@ -182,32 +188,32 @@ class StrategyCosts:
         Returns:
             The fitted :class:`CostEstimate` (``source="profile"``), the same on every rank.
         """
-        strategy = self._strategy
-        microbatch = strategy.split_batch(batch).microbatches[0]
-        params = [p for p in strategy.lightning_module.parameters() if not p.is_meta]
+        context = self.context
+        microbatch = context.split_batch(batch).microbatches[0]
+        params = [p for p in context.module.parameters() if not p.is_meta]
         timings = []
-        if strategy.layout.data_parallel_rank == 0:  # replicas hold the same units: one pipeline times them
+        if context.layout.data_parallel_rank == 0:  # replicas hold the same units: one pipeline times them
             timings = time_units(
-                strategy.runner,
+                context.runner,
                 "training_step",
                 (microbatch, batch_index),
-                list(strategy.spans.values()),
+                list(context.current().spans.values()),
                 shapes,
                 params,
-                strategy.root_device,
+                context.device,
                 repeats,
                 warmup,
-                strategy.precision_plugin.train_step_context,
+                context.train_step_context,
             )
-        gathered = strategy.gather_from_pipeline(timings)
+        gathered = context.gather_from_pipeline(timings)
         estimate = None
-        if strategy.global_rank == 0:
+        if context.global_rank == 0:
             max_length = max(length for _, length in shapes)
             num_sequences = max(count for count, _ in shapes)
             template = self.meta_estimate(batch, max_length, num_sequences)
             estimate = fit_timings([t for part in gathered for t in part], template, holdout_fraction)
-        if strategy.world_size > 1:
-            estimate = strategy.broadcast(estimate, 0)
+        if context.world_size > 1:
+            estimate = context.broadcast(estimate, 0)
         return estimate
 
     # --- partition="auto" ------------------------------------------------------------------------
@@ -254,17 +260,17 @@ class StrategyCosts:
         planned with the meta-device cost model (:func:`~lightning_pipe.planning.plan_partition`
         for the strategy's schedule), so every rank gets the same boundaries.
         """
-        strategy = self._strategy
+        current = self.context.current()
         batch, lengths = self.scan_longest_batch(loader, lengths_fn)
         everyone = self.replica_values(lengths)
         longest = max(everyone, key=lambda ls: (max(ls), sum(ls)))
         self.longest_batch_lengths = list(longest)
-        per_microbatch = _split(longest, strategy.num_microbatches)
+        per_microbatch = _split(longest, current.num_microbatches)
         if self.estimate is None:
             sizes = [len(mb) for mb in per_microbatch]
             self.use(self.meta_estimate(batch, max(longest), max(sizes)))
         plan = plan_partition(
-            self.estimate.cost_model, self.shapes(per_microbatch), strategy.schedule, strategy.pipeline_parallel_size
+            self.estimate.cost_model, self.shapes(per_microbatch), current.schedule, self.context.pipeline_parallel_size
         )
         log.info(
             "partition='auto': longest batch (%d samples, up to %d long) planned as %s, predicted %.4g s per step",
@@ -274,106 +280,6 @@ class StrategyCosts:
             plan.step_seconds,
         )
         return plan.boundaries
-
-
-def probe_shapes(max_length: int, num_sequences: int) -> list[tuple[int, int]]:
-    """The meta probe's ``(num_sequences, length)`` grid: full, half and quarter length, two sizes."""
-    half, quarter = max(2, math.ceil(max_length / 2)), max(2, math.ceil(max_length / 4))
-    shapes = [(num_sequences, max_length), (num_sequences, half), (2 * num_sequences, quarter)]
-    shapes.append((max(1, num_sequences // 2) if num_sequences > 1 else 2, max_length))
-    return list(dict.fromkeys(shapes))
-
-
-def estimate_costs(
-    module: torch.nn.Module,
-    stack: BlockStack,
-    layout: UnitLayout,
-    microbatch: Any,
-    max_length: int,
-    num_sequences: int,
-    device: torch.device,
-    optimizer_states_per_parameter: float = 2.0,
-    speed: DeviceSpeed | None = None,
-) -> CostEstimate:
-    """The meta-device cost model of ``module`` (``runtime.cost_probe``) for microbatches like ``microbatch``.
-
-    Args:
-        module: the user's module.
-        stack: its block stack.
-        layout: its units.
-        microbatch: an example microbatch (structure and dtypes only).
-        max_length: the longest sample length to probe.
-        num_sequences: samples per probe microbatch.
-        device: the device training runs on (sets the assumed speed and link).
-        optimizer_states_per_parameter: optimizer state tensors per trained parameter.
-        speed: the assumed device; None: :meth:`DeviceSpeed.for_device`.
-    """
-    counts = count_units(
-        module,
-        stack,
-        "training_step",
-        (microbatch, 0),
-        probe_shapes(max_length, num_sequences),
-        speed or DeviceSpeed.for_device(device),
-    )
-    latency, bandwidth = _LINK.get(torch.device(device).type, _LINK["cuda"])
-    return fit_cost_model(counts, module, layout, optimizer_states_per_parameter, latency, bandwidth)
-
-
-def profile_grid(max_length: int, num_sequences: int) -> list[tuple[int, int]]:
-    """The profiler's default ``(num_sequences, length)`` grid: 4 lengths down to a quarter, 2 sizes."""
-    lengths = dict.fromkeys(max(2, round(max_length * f)) for f in (1.0, 0.75, 0.5, 0.25))
-    sizes = dict.fromkeys((num_sequences, max(1, num_sequences // 2)))
-    return [(b, n) for n in lengths for b in sizes]
-
-
-def profile_module(
-    module: torch.nn.Module,
-    microbatch: Any,
-    shapes: Sequence[tuple[int, int]],
-    blocks: str | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
-    holdout_fraction: float = 0.25,
-    optimizer_states_per_parameter: float = 2.0,
-) -> CostEstimate:
-    """Profile a whole module in this process (no strategy, no process group): time every unit on
-    ``shapes``, fit, and return the :class:`CostEstimate` (``lightning-pipe-profile`` uses this).
-
-    Args:
-        module: the user's module, on the device to profile.
-        microbatch: an example microbatch on that device (values are reused to make the probes).
-        shapes: ``(num_sequences, length)`` of every probe microbatch.
-        blocks: dotted path of the block stack; None: found automatically.
-        repeats: timed runs per shape (median kept).
-        warmup: untimed runs per shape first.
-        holdout_fraction: share of samples held out to report each fit's error.
-        optimizer_states_per_parameter: optimizer state tensors per trained parameter (2: Adam).
-    """
-    from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
-
-    stack = find_blocks(module, blocks)
-    layout = analyze_units(module, stack)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    runner = StageRunner(module, stack)
-    try:
-        span = StageSpan(0, 0, stack.num_blocks, stack.num_blocks)
-        timings = time_units(
-            runner, "training_step", (microbatch, 0), [span], shapes, list(module.parameters()), device, repeats, warmup
-        )
-    finally:
-        runner.remove()
-    template = estimate_costs(
-        module,
-        stack,
-        layout,
-        microbatch,
-        max(n for _, n in shapes),
-        max(b for b, _ in shapes),
-        device,
-        optimizer_states_per_parameter,
-    )
-    return fit_timings(timings, template, holdout_fraction)
 
 
 def _split(lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.runtime import sharded_checkpoint as shards
+from lightning_pipe.runtime import collectives
 
 if TYPE_CHECKING:
     from lightning_pipe.strategies.elastic_pipeline import ElasticPipelineStrategy
@@ -225,7 +226,7 @@ class ShardedCheckpoints:
 
     def _barrier(self) -> None:
         if self.group is not None:
-            torch.distributed.barrier(group=self.group)
+            collectives.barrier(self.group)
 
     # --- loading ----------------------------------------------------------------------------------
 

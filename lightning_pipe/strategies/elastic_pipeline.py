@@ -16,8 +16,6 @@ from typing import Any, Literal, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -25,7 +23,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -43,7 +40,7 @@ from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.model.observation import check_observation, layout_from_observation
 from lightning_pipe.model.units import UnitLayout
-from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, StepWork, create_process_groups
+from lightning_pipe.runtime import PipelineExecutor, PointToPoint, ProcessGroups, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
@@ -56,12 +53,14 @@ from lightning_pipe.runtime.loss_weights import (
     raw_weight,
     upfront_weights,
 )
-from lightning_pipe.runtime.microbatch import BatchDim, MicrobatchPlan, SplitBatch, plan_microbatches
+from lightning_pipe.runtime.microbatch import BatchDim, MicrobatchPlan, SplitBatch, plan_microbatches, tensor_shapes
 from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
 from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
+from lightning_pipe.schedules.action_rules import check_executable
 from lightning_pipe.strategies import _lightning_compat as compat
+from lightning_pipe.strategies.context import PipelineContext, PipelineState
 from lightning_pipe.strategies import checkpointing, distributed_checkpoint
 from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
@@ -201,6 +200,18 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._timeout = timeout
         self._num_nodes = 1
         self.boundaries: tuple[int, ...] = ()
+        # set up in `setup_environment` / `_shard` / `_install`; declared here so the object has one shape
+        self.groups: ProcessGroups | None = None
+        self.unit_layout: UnitLayout | None = None
+        self.runner: StageRunner | None = None
+        self.executor: PipelineExecutor | None = None
+        self.program: Program | None = None
+        self.eval_program: Program | None = None
+        self.spans: dict[int, StageSpan] = {}
+        self.metric_states: MetricStates | None = None
+        self._observed: dict[str, Any] = {}
+        self._shared: list[tuple[Tensor | None, tuple[int, ...]]] = []
+        self._sample_mixing = False
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.last_migration: MigrationReport | None = None
         self.memory = StrategyMemory(  # see strategies/memory.py
@@ -414,7 +425,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
         shard_module(module, self.unit_layout, owned, self.root_device)
         self.runner = StageRunner(module, stack, device=self.root_device)
-        self._observed: dict[str, Any] = {}  # step name -> StepObservation (units by use; see _observe)
+        self._observed = {}  # step name -> StepObservation (units by use; see _observe)
         self.executor = PipelineExecutor(
             self.runner,
             # autocast does not apply on the meta device: activations carry their real dtypes
@@ -429,13 +440,39 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.layout.pipeline_rank,
             self.root_device,
         )
-        self.memory.setup(self)
-        self.costs.setup(self)
+        context = self._context()
+        self.memory.setup(context)
+        self.costs.setup(context, self.memory)
         self._shared = self._shared_parameters()
         self._check_time_major(module)  # blocks built in `configure_model` exist now
         self._sample_mixing = bool(find_sample_mixing_modules(module))
         self.metric_states = MetricStates(module, self.groups.data_parallel)
         self._short_programs = {}
+
+    def _context(self) -> PipelineContext:
+        """What the memory and cost helpers read of this strategy (strategies/context.py)."""
+        return PipelineContext(
+            layout=self.layout,
+            groups=self.groups,
+            runner=self.runner,
+            device=self.root_device,
+            module=self.lightning_module,
+            world_size=self.world_size,
+            global_rank=self.global_rank,
+            current=self._pipeline_state,
+            optimizers=lambda: self.optimizers,
+            split_batch=self.split_batch,
+            train_step_context=lambda: self.precision_plugin.train_step_context(),
+            broadcast=self.broadcast,
+            gather_from_pipeline=self.gather_from_pipeline,
+        )
+
+    def _pipeline_state(self) -> PipelineState:
+        """The plan in force, for the helpers' context."""
+        return PipelineState(
+            self.schedule, self.program, tuple(self.boundaries), self.spans, self.unit_layout, self.num_microbatches,
+            tuple(self._tied),
+        )
 
     def _install(self, plan: PipelinePlan) -> None:
         """Make ``plan`` the current one: schedule, program, stage spans (no tensors move here)."""
@@ -444,9 +481,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         num_stages = self.pipeline_parallel_size * schedule.stages_per_rank
         boundaries = check_boundaries(plan.boundaries, num_blocks, num_stages)
         program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
-        validate(program)
+        check_executable(validate(program))
         self.schedule, self.program, self.boundaries = schedule, program, boundaries
-        self.eval_program: Program = forward_only(program)
+        self.eval_program = forward_only(program)
         self._num_microbatches = plan.num_microbatches
         self.spans = {
             s: StageSpan(s, boundaries[s], boundaries[s + 1], num_blocks)
@@ -663,7 +700,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             if program is None:
                 try:
                     program = self.schedule.build(self.pipeline_parallel_size, num_microbatches)
-                    validate(program)
+                    check_executable(validate(program))
                 except Exception as error:
                     raise ValueError(
                         f"A batch has {num_microbatches} samples, fewer than `num_microbatches={self.num_microbatches}`, "
@@ -744,7 +781,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         """Whether activations travel with their shapes: from the first step whose microbatches are
         cut to their own lengths, or whose shapes differ from the step before (then for good: the
         data's lengths vary). Every pipeline rank sees the same batches, so all decide alike."""
-        shapes = [tuple(t.shape) for t in tree_flatten(microbatches[0])[0] if isinstance(t, Tensor)]
+        shapes = tensor_shapes(microbatches[0])
         if any(w is not None for w in plan.windows) or (self._last_shapes is not None and shapes != self._last_shapes):
             self._shapes_vary = True
         self._last_shapes = shapes
@@ -921,40 +958,33 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            with naming_failures(f"Lightning's barrier {name or ''}".rstrip(), None):
-                torch.distributed.barrier()
+        if collectives.is_initialized():
+            collectives.barrier(operation=f"Lightning's barrier {name or ''}".rstrip())
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not collectives.is_initialized():
             return obj
-        box = [obj]
-        with naming_failures(f"Lightning's broadcast from rank {src}", None):
-            torch.distributed.broadcast_object_list(box, src)
-        return box[0]
+        return collectives.broadcast_object(obj, src, None, f"Lightning's broadcast from rank {src}")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Combine a decision of every process (Lightning's default goes through :meth:`reduce`, which
         here spans only data-parallel replicas: ModelCheckpoint would never see a unanimous vote)."""
-        if not _distributed_is_initialized():
+        if not collectives.is_initialized():
             return decision
         votes = torch.tensor(int(decision), device=self.root_device)
-        with naming_failures("Lightning's vote of every process (reduce_boolean_decision)", None):
-            torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
+        collectives.all_reduce_tensor(votes, "sum", "Lightning's vote of every process (reduce_boolean_decision)")
         return bool(votes == self.world_size) if all else bool(votes > 0)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce over data-parallel replicas: every rank of a pipeline holds the same replayed value."""
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+        if not isinstance(tensor, Tensor) or not collectives.is_initialized():
             return tensor
-        from lightning.fabric.utilities.distributed import _sync_ddp
-
         group = group or self.groups.data_parallel
         with naming_failures("a reduction of logged values over data-parallel replicas", group):
-            return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+            return compat.sync_ddp(tensor, group=group, reduce_op=reduce_op)
 
     # --- checkpoints (checkpointing.py: one file; distributed_checkpoint.py: sharded) -------------
 
@@ -1041,7 +1071,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.runner.remove()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
-        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        compat.optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             move_real_tensors(self.lightning_module, torch.device("cpu"))
         self.precision_plugin.teardown()

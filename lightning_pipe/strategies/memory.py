@@ -6,7 +6,7 @@
 :class:`~lightning_pipe.planning.plan.PipelinePlan` (``plan.memory``; empty means the static one),
 gives the executor the block wrappers of the current plan, accounts saved activations against the
 budget during training steps, and answers the MemoryPlanner callback (profile, shapes, static bytes).
-Lightning-free: it only needs the strategy's attributes.
+Lightning-free: it reads the strategy through a :class:`~lightning_pipe.strategies.context.PipelineContext`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipe.planning.cost_model import MicrobatchShape
 from lightning_pipe.planning.memory_model import (
@@ -38,16 +37,18 @@ from lightning_pipe.planning.memory_planner import MemoryPlanResult, plan_memory
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.memory import DEFAULT_MLP_NAMES, MemoryRuntime
 from lightning_pipe.runtime.memory_accounting import StepMemory
-from lightning_pipe.runtime.memory_profile import (
+from lightning_pipe.profiling.memory_profile import (
     ProbeRecord,
     gather_records,
     measure_stages,
     probe_microbatches,
     sequence_lengths,
 )
-from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.schedules.ir import ActionType, Program
+from lightning_pipe.runtime import collectives
+from lightning_pipe.strategies.context import PipelineContext
+from lightning_pipe.runtime._torch_compat import record_found_inf, tree_flatten
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class StrategyMemory:
         self.last_step: StepMemory | None = None
         self.last_result: MemoryPlanResult | None = None
         self.track = False  # account saved activations even without a budget or a plan
-        self._strategy: Any = None
+        self._context: PipelineContext | None = None
         self._planned_auto = False
         self._batch_tensors: list[Tensor] = []
         self.optimizer_offload = optimizer_offload
@@ -128,13 +129,20 @@ class StrategyMemory:
 
     # --- wiring ----------------------------------------------------------------------------------
 
-    def setup(self, strategy: Any) -> None:
+    def setup(self, context: PipelineContext) -> None:
         """Create the rank's memory runtime (after the stage runner exists)."""
-        self._strategy = strategy
+        self._context = context
         self.runtime = MemoryRuntime(
-            strategy.runner.stack.blocks, strategy.root_device, strategy.layout.pipeline_rank,
+            context.runner.stack.blocks, context.device, context.layout.pipeline_rank,
             mlp_names=self.mlp_modules, budget_bytes=self.budget,
         )
+
+    @property
+    def context(self) -> PipelineContext:
+        """The strategy's context (after :meth:`setup`)."""
+        if self._context is None:
+            raise RuntimeError("`StrategyMemory` is used before the strategy's setup gave it its context.")
+        return self._context
 
     def install(self, plan: PipelinePlan, program: Program) -> None:
         """Adopt ``plan.memory`` (empty: the static plan from the strategy's arguments).
@@ -181,11 +189,11 @@ class StrategyMemory:
         if not self.active or self.runtime is None:
             return None
         if self.optimizer_offload:
-            self._step_microbatches = self._strategy.split_batch(batch).plan.num_microbatches
+            self._step_microbatches = self.context.split_batch(batch).plan.num_microbatches
             self._start_optimizer_offload()
         # the batch is held by the loader anyway: saved views of it (token ids) are not activations
         self._batch_tensors = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor)]
-        spans, plan, runtime = self._strategy.spans, self.plan, self.runtime
+        spans, plan, runtime = self.context.current().spans, self.plan, self.runtime
 
         def block_wrapper(stage: int, microbatch: int):
             span = spans[stage]
@@ -217,10 +225,10 @@ class StrategyMemory:
     # --- optimizer offload -----------------------------------------------------------------------
 
     def _start_optimizer_offload(self) -> None:
-        strategy = self._strategy
         if self.stage_optimizers is None:
             self.stage_optimizers = StageOptimizers(self._single_optimizer(), self._stage_parameters())
-            self._offload_layout = (tuple(strategy.boundaries), strategy.program.stage_to_rank)
+            current = self.context.current()
+            self._offload_layout = (tuple(current.boundaries), current.program.stage_to_rank)
             if self._loaded_optimizer_state is not None:  # resumed: the checkpoint's state goes to the host
                 self.stage_optimizers.load_state_dict(self._loaded_optimizer_state)
                 self._loaded_optimizer_state = None
@@ -259,7 +267,7 @@ class StrategyMemory:
         scaler = self.grad_scaler
         if scaler is None or not scaler.is_enabled():
             return None
-        scaler.scale(torch.ones((), device=self._strategy.root_device))
+        scaler.scale(torch.ones((), device=self.context.device))
         return float(scaler.get_scale())
 
     def _agree_overflow(self, overflow: bool) -> bool:
@@ -268,11 +276,10 @@ class StrategyMemory:
         A collective over the default process group: all ranks undo their stage steps together, so
         replicas and stages never disagree about which updates happened.
         """
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if not collectives.is_initialized():
             return overflow
-        flag = torch.tensor(float(overflow), device=self._strategy.root_device)
-        with naming_failures("the agreement on a gradient overflow (16-mixed)", None):
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        flag = torch.tensor(float(overflow), device=self.context.device)
+        collectives.all_reduce_tensor(flag, "max", "the agreement on a gradient overflow (16-mixed)")
         return bool(flag.item() > 0)
 
     def _update_loss_scale(self, overflow: bool) -> None:
@@ -285,35 +292,36 @@ class StrategyMemory:
         """
         scaler = self.grad_scaler
         assert scaler is not None
-        found_inf = torch.full((), float(overflow), dtype=torch.float32, device=self._strategy.root_device)
-        scaler._per_optimizer_states[id(self.stage_optimizers)]["found_inf_per_device"][found_inf.device] = found_inf
+        found_inf = torch.full((), float(overflow), dtype=torch.float32, device=self.context.device)
+        record_found_inf(scaler, self.stage_optimizers, found_inf)
         scaler.update()
 
     def _single_optimizer(self) -> Optimizer:
-        strategy = self._strategy
-        trainer = strategy.lightning_module.trainer
+        context = self.context
+        trainer = context.module.trainer
+        optimizers = context.optimizers()
         problems = []
-        if len(strategy.optimizers) != 1:
-            problems.append(f"{len(strategy.optimizers)} optimizers (one is supported)")
+        if len(optimizers) != 1:
+            problems.append(f"{len(optimizers)} optimizers (one is supported)")
         if trainer.accumulate_grad_batches != 1:
             problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (1 is supported)")
         if trainer.gradient_clip_val:
             problems.append(f"gradient_clip_val={trainer.gradient_clip_val} (clipping needs every stage's gradients first)")
-        if strategy.layout.data_parallel_size > 1:
-            problems.append(f"data parallel size {strategy.layout.data_parallel_size} (gradients would have to be averaged first)")
-        if strategy._tied:
+        if context.layout.data_parallel_size > 1:
+            problems.append(f"data parallel size {context.layout.data_parallel_size} (gradients would have to be averaged first)")
+        if context.current().shared_parameters:
             problems.append("parameters tied across ranks (their gradients are summed after the pipeline)")
         if problems:
             raise ValueError(f"`optimizer_offload=True` does not support: {'; '.join(problems)}.")
-        optimizer = strategy.optimizers[0]
+        optimizer = optimizers[0]
         return getattr(optimizer, "optimizer", optimizer)
 
     def _stage_parameters(self) -> dict[int, list]:
-        strategy = self._strategy
-        layout = strategy.unit_layout
-        params = dict(strategy.lightning_module.named_parameters())
+        current = self.context.current()
+        layout = current.unit_layout
+        params = dict(self.context.module.named_parameters())
         result = {}
-        for stage, span in strategy.spans.items():
+        for stage, span in current.spans.items():
             units = [1 + b for b in range(span.first_block, span.end_block)]
             units += [0] if span.is_first else []
             units += [layout.num_units - 1] if span.is_last else []
@@ -330,7 +338,7 @@ class StrategyMemory:
 
     def static_bytes_per_parameter_byte(self) -> float:
         """Parameter + gradient + optimizer state bytes per parameter byte (2 + the optimizer's states)."""
-        optimizers = [getattr(o, "optimizer", o) for o in (self._strategy.optimizers if self._strategy else [])]
+        optimizers = [getattr(o, "optimizer", o) for o in (self._context.optimizers() if self._context else [])]
         return 2.0 + max((_OPTIMIZER_STATE.get(type(o).__name__, _momentum(o)) for o in optimizers), default=0.0)
 
     def rank_static_bytes(self) -> float:
@@ -339,29 +347,26 @@ class StrategyMemory:
         return sum(p.numel() * p.element_size() for p in params) * self.static_bytes_per_parameter_byte()
 
     def _owned_parameters(self) -> list[Tensor]:
-        module = self._strategy.lightning_module
-        return [p for p in module.parameters() if p.device.type != "meta"]
+        return [p for p in self.context.module.parameters() if p.device.type != "meta"]
 
     def microbatch_shapes(self, batch: Any, lengths: Callable[[Any], Sequence[int]] | None = None) -> list[MicrobatchShape]:
         """Shapes of the batch's microbatches as the strategy splits it."""
         measure = lengths or sequence_lengths
         shape = self.profile.shape if self.profile is not None else MicrobatchShape.from_lengths
-        return [shape(measure(mb)) for mb in self._strategy.split_batch(batch).microbatches]
+        return [shape(measure(mb)) for mb in self.context.split_batch(batch).microbatches]
 
     def measure_profile(self, batch: Any, rest: tuple = (0,), probe_length: int | None = 512) -> MemoryProfile:
         """Probe this rank's stages on the batch's first microbatch, share with the pipeline, fit."""
-        strategy = self._strategy
+        context, current = self.context, self.context.current()
         assert self.runtime is not None
-        first = strategy.split_batch(batch).microbatches[0]
+        first = context.split_batch(batch).microbatches[0]
         probes = [(p, *rest) for p in probe_microbatches(first, probe_length)]
         records = measure_stages(
-            strategy.runner, self.runtime, "training_step", probes, list(strategy.spans.values()),
-            self._owned_parameters(), strategy.root_device, step_context=strategy.precision_plugin.train_step_context,
+            context.runner, self.runtime, "training_step", probes, list(current.spans.values()),
+            self._owned_parameters(), context.device, step_context=context.train_step_context,
         )
-        records = gather_records(records, strategy.groups.pipeline if strategy.pipeline_parallel_size > 1 else None)
-        self.profile = build_profile(
-            records, strategy.lightning_module, strategy.unit_layout, self.static_bytes_per_parameter_byte()
-        )
+        records = gather_records(records, context.groups.pipeline if context.pipeline_parallel_size > 1 else None)
+        self.profile = build_profile(records, context.module, current.unit_layout, self.static_bytes_per_parameter_byte())
         return self.profile
 
     def plan_batch(
@@ -369,7 +374,7 @@ class StrategyMemory:
         **planner_options: Any,
     ) -> MemoryPlanResult:
         """The fastest plan under ``budget`` for this batch (probing first if no profile yet)."""
-        strategy = self._strategy
+        current = self.context.current()
         budget = self.budget if budget is None else budget
         if budget is None:
             raise ValueError("No memory budget: pass `budget=` to MemoryPlanner or `memory_budget=` to the strategy.")
@@ -378,7 +383,7 @@ class StrategyMemory:
         shapes = self.microbatch_shapes(batch, lengths)
         options = {"mlp_chunk_size": self.mlp_chunk_size, **planner_options}
         result = plan_memory(
-            strategy.program, strategy.boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin), **options
+            current.program, current.boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin), **options
         )
         self.last_result = result
         log.debug("memory plan (%s): %s", result.method, result.plan.to_dict())

@@ -9,7 +9,7 @@ from lightning_pipe import ElasticPipelineStrategy
 from lightning_pipe.callbacks import ElasticRepartition, ScheduleSwitch
 from lightning_pipe.model import analyze_units, find_blocks
 from lightning_pipe.planning import CostModel, LinearCost, MicrobatchShape, UnitCost, plan_partition
-from lightning_pipe.strategies.costs import estimate_costs
+from lightning_pipe.profiling.estimate import estimate_costs
 from tests.helpers.callbacks import RecordPlans, read_plans
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import (

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
 from lightning_pipe.runtime.memory import MemoryRuntime, find_mlps
 from lightning_pipe.runtime.memory_accounting import MemoryBudgetExceeded
-from lightning_pipe.runtime.memory_profile import measure_stages, probe_microbatches
+from lightning_pipe.profiling.memory_profile import measure_stages, probe_microbatches
 from lightning_pipe.strategies.memory import build_profile
 from tests.helpers.models import Block, TinyGPT
 

@@ -102,3 +102,35 @@ def test_strategy_name_hint_wraps_lightnings_configuration_check():
     with pytest.raises(ValueError, match="invalid strategy name.*Did you mean") as error:
         L.Trainer(strategy="ELASTIC-PIPE", accelerator="cpu", devices=1, logger=False)
     assert "`strategy='elastic-pipe'`" in str(error.value)  # Lightning lowercased the flag first
+
+
+@pytest.mark.parametrize("module, name", compat.PRIVATE_NAMES, ids=[name for _, name in compat.PRIVATE_NAMES])
+def test_every_private_lightning_name_resolves(module, name):
+    assert compat.private_name(module, name) is not None
+
+
+def test_a_missing_private_lightning_name_says_which_file_to_update():
+    with pytest.raises(ImportError, match=r"no private `lightning.fabric.utilities.distributed._gone`.*_lightning_compat.py"):
+        compat.private_name("lightning.fabric.utilities.distributed", "_gone")
+
+
+def test_optimizers_to_device_moves_optimizer_state():
+    parameter = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.1, momentum=0.9)
+    parameter.grad = torch.ones(2)
+    optimizer.step()
+    compat.optimizers_to_device([optimizer], torch.device("meta"))
+    assert optimizer.state[parameter]["momentum_buffer"].is_meta
+
+
+def test_sync_ddp_reduces_over_a_group(tmp_path):
+    """One process is a group of one: the mean and the sum are the value itself (the call path is Lightning's)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        value = torch.tensor([3.0])
+        assert compat.sync_ddp(value.clone(), group=None, reduce_op="mean").item() == 3.0
+        assert compat.sync_ddp(value.clone(), group=None, reduce_op="sum").item() == 3.0
+    finally:
+        dist.destroy_process_group()

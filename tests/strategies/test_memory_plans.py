@@ -17,7 +17,7 @@ from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blo
 from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory, predict_memory
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.memory import MemoryRuntime
-from lightning_pipe.runtime.memory_profile import measure_stages, probe_microbatches
+from lightning_pipe.profiling.memory_profile import measure_stages, probe_microbatches
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.schedules import resolve_schedule
 from lightning_pipe.strategies.memory import StrategyMemory, build_profile
@@ -269,12 +269,12 @@ def test_static_arguments_are_checked():
     assert strategy.memory.budget == 40 * 2**30
     assert strategy.memory.static_plan.default == StageMemory(full=None, every=2, offload=1, mlp_chunk_size=256)
     fake_trainer = SimpleNamespace(accumulate_grad_batches=2, gradient_clip_val=1.0)
-    fake = SimpleNamespace(
-        optimizers=[object()], lightning_module=SimpleNamespace(trainer=fake_trainer),
-        layout=SimpleNamespace(data_parallel_size=2), _tied=[],
+    fake = SimpleNamespace(  # a PipelineContext's fields that the check reads
+        optimizers=lambda: [object()], module=SimpleNamespace(trainer=fake_trainer),
+        layout=SimpleNamespace(data_parallel_size=2), current=lambda: SimpleNamespace(shared_parameters=()),
     )
     offloading = StrategyMemory(optimizer_offload=True)
-    offloading._strategy = fake
+    offloading._context = fake
     with pytest.raises(ValueError, match="optimizer_offload=True.*accumulate_grad_batches=2.*gradient_clip_val=1.0.*data parallel"):
         offloading._single_optimizer()
     memory = StrategyMemory(recompute="keep_attention")

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from examples.gpt.model import GPT
 from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
-from lightning_pipe.runtime.cost_probe import count_units, fit_cost_model
+from lightning_pipe.profiling.cost_probe import count_units, fit_cost_model
 from lightning_pipe.runtime.memory import MemoryRuntime
-from lightning_pipe.runtime.memory_profile import measure_stages, sequence_lengths
-from lightning_pipe.runtime.unit_tracker import resize_microbatch
+from lightning_pipe.profiling.memory_profile import measure_stages, sequence_lengths
+from lightning_pipe.profiling.unit_tracker import resize_microbatch
 from tests.helpers.models import MaskedModel, TinyGPT
 
 

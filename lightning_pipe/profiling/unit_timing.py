@@ -3,7 +3,7 @@
 :func:`time_units` runs the stages of one rank through the :class:`~lightning_pipe.model.StageRunner`
 (stages that are not first get zero inputs of the shapes the previous stage would send; no
 communication) and times each unit's forward and backward with the hooks of
-:class:`~lightning_pipe.runtime.unit_tracker.UnitTracker` (synchronizing CUDA at each switch).
+:class:`~lightning_pipe.profiling.unit_tracker.UnitTracker` (synchronizing CUDA at each switch).
 :func:`fit_timings` fits per-unit linear costs (``planning.fit``) and keeps a meta estimate's bytes.
 """
 
@@ -24,9 +24,9 @@ from torch import Tensor
 from lightning_pipe.model.stage_runner import StageRunner, StageSpan
 from lightning_pipe.planning.cost_model import MicrobatchShape
 from lightning_pipe.planning.fit import TimingSample, fit_unit_cost
-from lightning_pipe.runtime.cost_probe import CostEstimate, length_offset
-from lightning_pipe.runtime.memory_profile import _untouched
-from lightning_pipe.runtime.unit_tracker import UnitTracker, resize_microbatch, step_loss
+from lightning_pipe.profiling.cost_probe import CostEstimate, length_offset
+from lightning_pipe.profiling.probing import untouched
+from lightning_pipe.profiling.unit_tracker import UnitTracker, resize_microbatch, step_loss
 
 __all__ = ["UnitTiming", "fit_timings", "time_units"]
 
@@ -161,7 +161,7 @@ def time_units(
     samples: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     positions: dict[tuple[int, int], int] = {}
     context = step_context or contextlib.nullcontext
-    with _untouched(runner.root, device):
+    with untouched(runner.root, device):
         for round_index in range(warmup + repeats):
             for shape, args in probes:
                 for span in spans:

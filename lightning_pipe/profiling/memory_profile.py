@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch import Tensor
 
 from lightning_pipe.model.stage_runner import StageRunner, StageSpan
 from lightning_pipe.runtime.memory import FULL, KEEP_ATTENTION, NONE, MemoryRuntime
 from lightning_pipe.runtime.memory_accounting import AFTER_BLOCKS, BEFORE_BLOCKS
 from lightning_pipe.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe.profiling.probing import token_tensor, untouched
+from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime._torch_compat import tree_flatten, tree_map
 
 PROBE_MODES = (NONE, FULL, KEEP_ATTENTION)
 
@@ -53,29 +54,15 @@ class ProbeRecord:
     positions: int = 0
 
 
-def _token_tensor(microbatch: Any) -> Tensor:
-    leaves = [leaf for leaf in tree_flatten(microbatch)[0] if isinstance(leaf, Tensor) and leaf.dim() >= 2]
-    integers = [leaf for leaf in leaves if not leaf.is_floating_point() and not leaf.is_complex()]
-    if integers:
-        return integers[0]
-    if leaves:
-        return leaves[0]
-    raise ValueError(
-        f"Cannot find sequences in a microbatch of type {type(microbatch).__name__}: memory planning reads the "
-        "sequence length from the first tensor of shape [batch, length, ...] (token ids first). Pass "
-        "`lengths=` to MemoryPlanner to say how long each sample is."
-    )
-
-
 def sequence_lengths(microbatch: Any) -> list[int]:
     """Length of every sample: dimension 1 of the first integer tensor ``[B, T]`` (token ids)."""
-    tokens = _token_tensor(microbatch)
+    tokens = token_tensor(microbatch)
     return [int(tokens.shape[1])] * int(tokens.shape[0])
 
 
 def truncate_sequences(microbatch: Any, length: int) -> Any:
     """The microbatch with every tensor of the token tensor's ``[B, T, ...]`` shape cut to ``T = length``."""
-    tokens = _token_tensor(microbatch)
+    tokens = token_tensor(microbatch)
     batch, full = tokens.shape[0], tokens.shape[1]
 
     def cut(leaf: Any) -> Any:
@@ -102,20 +89,6 @@ def probe_microbatches(microbatch: Any, probe_length: int | None = 512) -> list[
     if length >= 4:
         probes.append(truncate_sequences(first, length // 2))
     return probes
-
-
-@contextlib.contextmanager
-def _untouched(module: nn.Module, device: torch.device):
-    """Restore RNG state and every real buffer after the block (probes must not change training)."""
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            yield
-        finally:
-            current = dict(module.named_buffers())
-            with torch.no_grad():
-                for name, value in buffers.items():
-                    current[name].copy_(value)
 
 
 def measure_stages(
@@ -148,7 +121,7 @@ def measure_stages(
     saved_state = (counter.static_bytes, counter.step, counter.budget_bytes)
     counter.budget_bytes = None
     try:
-        with _untouched(runner.root, device), torch.enable_grad():
+        with untouched(runner.root, device), torch.enable_grad():
             for args in probes:
                 lengths = tuple(sequence_lengths(args[0]))
                 for span in spans:
@@ -216,8 +189,7 @@ def _measure_one(runner, memory, step_name, args, span, mode, params, device, le
 
 def gather_records(records: list[ProbeRecord], group: Any) -> list[ProbeRecord]:
     """Every rank's records, on every rank of ``group`` (one list; no-op without a process group)."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not collectives.is_initialized() or collectives.group_size(group) == 1:
         return list(records)
-    everything: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everything, records, group=group)
+    everything = collectives.all_gather_objects(records, group)
     return [r for part in everything for r in part]

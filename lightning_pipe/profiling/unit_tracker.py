@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
 from typing_extensions import Self
 
-from lightning_pipe.runtime.memory_profile import _token_tensor
+from lightning_pipe.profiling.probing import token_tensor
+from lightning_pipe.runtime._torch_compat import tree_flatten, tree_map
 
 __all__ = ["UnitTracker", "nbytes_of", "resize_microbatch", "step_loss", "unit_name"]
 
@@ -122,7 +122,7 @@ def resize_microbatch(
         length: positions per sample of the result.
         device: ``"meta"`` for a shape-only microbatch; None keeps each tensor's device.
     """
-    tokens = _token_tensor(microbatch)
+    tokens = token_tensor(microbatch)
     batch, positions = int(tokens.shape[0]), int(tokens.shape[1])
 
     def resize(leaf: Any) -> Any:

@@ -3,7 +3,7 @@
 :func:`count_units` runs the user's step on the **meta device** (parameters swapped for meta
 tensors; the probe batch is a real host tensor, resized from the example, so masks built from it
 stay real and data-dependent checks on them run; nothing else is allocated, any shape can be probed) with the hooks of
-:class:`~lightning_pipe.runtime.unit_tracker.UnitTracker`, which tell which unit (``pre``, a block,
+:class:`~lightning_pipe.profiling.unit_tracker.UnitTracker`, which tell which unit (``pre``, a block,
 ``post``) forward runs and backward has reached. Per unit, forward and backward: the FLOPs of every
 ATen op (``torch.utils.flop_counter``'s formulas), the bytes it reads and writes, the number of ops,
 and the bytes autograd saves for backward (``saved_tensors_hooks``; parameters and the batch are not
@@ -40,8 +40,6 @@ import torch.nn.functional as F
 from scipy.optimize import nnls
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_pipe.model.blocks import BlockStack
@@ -49,7 +47,8 @@ from lightning_pipe.model.placeholders import real_devices
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
 from lightning_pipe.planning.fit import UnitFit, fit_linear_cost
-from lightning_pipe.runtime.unit_tracker import UnitTracker, nbytes_of, resize_microbatch, step_loss, unit_name
+from lightning_pipe.profiling.unit_tracker import UnitTracker, nbytes_of, resize_microbatch, step_loss, unit_name
+from lightning_pipe.runtime._torch_compat import TorchDispatchMode, flash_attention_cpu_ops, tensor_registries, tree_flatten, tree_map
 
 __all__ = [
     "CostEstimate",
@@ -165,7 +164,7 @@ def _on_meta(root: nn.Module) -> Iterator[list[Tensor]]:
     swapped: list[tuple[dict, str, Tensor]] = []
     meta_of: dict[int, Tensor] = {}
     for module in root.modules():
-        for registry in (module._parameters, module._buffers):
+        for registry in tensor_registries(module):
             for name, tensor in list(registry.items()):
                 if tensor is None:
                     continue
@@ -253,13 +252,12 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     )
     if not fused:
         return None
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    return _FLASH_CPU(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
     )[0]
 
 
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_FLASH_CPU, _FLASH_CPU_BACKWARD = flash_attention_cpu_ops()
 
 
 def _op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:

@@ -1,0 +1,78 @@
+"""What callbacks may use of the pipeline strategy, as a :class:`typing.Protocol`.
+
+The planner and monitor callbacks used to take ``strategy: Any``; they are now typed by
+:class:`PipelineStrategy`, which lists the strategy's public surface they read. Structural: any
+object with these members fits (``ElasticPipelineStrategy`` does; a test double may), and a name
+a callback reads that is not listed here is a type error.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_pipe.planning.plan import PipelinePlan
+    from lightning_pipe.runtime.groups import RankLayout
+    from lightning_pipe.runtime.migration import MigrationReport
+    from lightning_pipe.schedules import Program, Schedule
+    from lightning_pipe.strategies.costs import StrategyCosts
+    from lightning_pipe.strategies.memory import StrategyMemory
+
+__all__ = ["PipelineStrategy"]
+
+
+class PipelineStrategy(Protocol):
+    """The pipeline strategy as callbacks see it (``ElasticPipelineStrategy`` implements it).
+
+    Attributes:
+        boundaries: block boundaries of every stage in force.
+        schedule: the schedule in force.
+        program: every rank's actions for one step of the plan in force.
+        costs: cost models and batch shapes for planners.
+        memory: memory plans, budget and probes.
+        last_migration: what the latest plan change moved (None before any).
+        last_outcome: the latest step's measured outcome on this rank (None before any).
+        root_device: this rank's device.
+    """
+
+    boundaries: tuple[int, ...]
+    schedule: Schedule
+    program: Program
+    costs: StrategyCosts
+    memory: StrategyMemory
+    last_migration: MigrationReport | None
+    last_outcome: Any
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device."""
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Pipeline ranks per replica."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per batch."""
+
+    @property
+    def layout(self) -> RankLayout:
+        """This process's place in the pipeline x data-parallel grid."""
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The plan in force."""
+
+    def apply_plan(self, plan: PipelinePlan) -> Any:
+        """Make ``plan`` the plan of the next step (moving units if the partition changes)."""
+
+    def default_boundaries(self, num_stages: int) -> tuple[int, ...]:
+        """The boundaries the strategy's ``partition`` argument gives for ``num_stages`` stages."""
+
+    def peek_next_batch(self) -> tuple[bool, Any]:
+        """Whether a next training batch exists, and that batch (without consuming it)."""
+
+    def gather_from_pipeline(self, obj: Any) -> list[Any] | None:
+        """One object per pipeline rank on global rank 0 (None elsewhere)."""

@@ -1,0 +1,121 @@
+"""The private torch names of ``runtime/_torch_compat.py`` (and the model layer's twin) still behave as we rely on.
+
+When torch moves one, the test of that name fails here with a message naming the file to update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.model import _torch_compat as model_compat
+from lightning_pipe.runtime import _torch_compat as compat
+
+
+def test_a_missing_private_name_says_which_file_to_update():
+    with pytest.raises(ImportError, match=r"no private `torch.utils._pytree.no_such_name`.*update lightning_pipe/runtime/_torch_compat.py"):
+        compat.private_name("torch.utils._pytree", "no_such_name", "runtime/_torch_compat.py")
+    with pytest.raises(ImportError, match=r"update lightning_pipe/model/_torch_compat.py"):
+        model_compat.private_name("torch.no_such_module", "tree_map")
+
+
+def test_pytree_flattens_and_rebuilds_nested_batches():
+    batch = {"ids": torch.ones(2, 3), "extra": [torch.zeros(1), 4]}
+    leaves, spec = compat.tree_flatten(batch)
+    assert [type(leaf) for leaf in leaves] == [torch.Tensor, torch.Tensor, int]
+    rebuilt = compat.tree_unflatten(leaves, spec)
+    assert rebuilt.keys() == batch.keys() and rebuilt["extra"][1] == 4
+    doubled = compat.tree_map(lambda x: x * 2, batch)
+    assert torch.equal(doubled["ids"], torch.full((2, 3), 2.0)) and doubled["extra"][1] == 8
+
+
+def test_tensor_registries_are_the_modules_own_dicts():
+    layer = nn.BatchNorm1d(3)
+    parameters, buffers = compat.tensor_registries(layer)
+    assert set(parameters) == {"weight", "bias"} and {"running_mean", "running_var"} <= set(buffers)
+    replacement = nn.Parameter(torch.full((3,), 5.0))
+    parameters["weight"] = replacement  # what migration and the meta swap rely on
+    assert layer.weight is replacement
+
+
+def test_dispatch_mode_sees_aten_ops():
+    seen = []
+
+    class Recorder(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        torch.ones(2) + 1
+    assert torch.ops.aten.add.Tensor in seen
+
+
+def test_op_argument_names_reads_the_schema():
+    assert compat.op_argument_names(torch.ops.aten.native_dropout.default) == ["input", "p", "train"]
+    assert "dropout_p" in compat.op_argument_names(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def test_flash_attention_cpu_ops_compute_attention():
+    forward, backward = compat.flash_attention_cpu_ops()
+    query = torch.randn(1, 2, 4, 8)
+    out = forward(query, query, query, 0.0, False)[0]
+    expected = torch.nn.functional.scaled_dot_product_attention(query, query, query)
+    torch.testing.assert_close(out, expected)
+    assert callable(backward)
+
+
+def test_record_found_inf_makes_update_back_off():
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, enabled=True)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    scaler.scale(torch.ones(()))  # initializes the scale
+    compat.record_found_inf(scaler, optimizer, torch.ones(()))
+    scaler.update()
+    assert scaler.get_scale() == 4.0  # backed off by the default factor 0.5
+
+
+def test_grad_output_count_counts_a_nodes_outputs():
+    x = torch.ones(3, requires_grad=True)
+    a, b = x.split([1, 2])
+    assert compat.grad_output_count(a.grad_fn) == 2
+
+
+def test_model_names():
+    assert issubclass(nn.BatchNorm2d, model_compat.BatchNormBase) and not issubclass(nn.LayerNorm, model_compat.BatchNormBase)
+    assert model_compat.legacy_reduction(None, None) == "mean"
+    assert model_compat.legacy_reduction(False, None) == "sum"
+    base = torch.ones(4)
+    assert model_compat.view_base(base[1:]) is base and model_compat.view_base(base) is None
+
+
+def test_torchmetrics_private_names_merge_a_batch_state_as_forward_does():
+    from torchmetrics.aggregation import SumMetric
+
+    from lightning_pipe.model import _torchmetrics_compat as metrics_compat
+
+    metric = SumMetric()
+    metrics_compat.check_metric(metric)
+    metric.update(torch.tensor(2.0))
+    saved, count = metrics_compat.state_copy(metric), metrics_compat.update_count(metric)
+    assert count == 1
+    metric.reset()
+    metric.update(torch.tensor(3.0))  # the batch
+    assert metrics_compat.batch_compute(metric).item() == 3.0
+    metrics_compat.set_update_count(metric, count + 1)
+    metrics_compat.reduce_states(metric, saved)
+    metrics_compat.clear_computed(metric)
+    assert metric.compute().item() == 5.0 and metrics_compat.update_count(metric) == 2
+    metrics_compat.set_forward_cache(metric, torch.tensor(3.0))
+    assert metrics_compat.forward_cache(metric).item() == 3.0
+
+
+def test_an_unknown_torchmetrics_says_which_file_to_update():
+    from torchmetrics.aggregation import SumMetric
+
+    from lightning_pipe.model import _torchmetrics_compat as metrics_compat
+
+    metric = SumMetric()
+    del metric._forward_cache
+    with pytest.raises(RuntimeError, match=r"\['_forward_cache'\].*_torchmetrics_compat.py"):
+        metrics_compat.check_metric(metric)
