@@ -56,6 +56,15 @@ from lightning_pipe.runtime.loss_weights import (
     upfront_weights,
 )
 from lightning_pipe.runtime.microbatch import BatchDim, SplitBatch, plan_microbatches
+from lightning_pipe.runtime.packing import (
+    REFUSAL,
+    Packer,
+    PackingPlan,
+    check_microbatch,
+    packed_block_wrapper,
+    packing_difference,
+    quiet_forward,
+)
 from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
@@ -136,6 +145,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         async_save: write sharded checkpoints on a background thread (after a copy to host memory) so
             training continues while shards are written; the next save and the end of training wait
             for it. Only with ``save_distributed_checkpoint=True``.
+        packing: pack each batch's sequences into microbatches without padding, attention restricted
+            to each sequence and positions restarting per sequence (transformers-style dict batches;
+            ``runtime/packing.py``). True: ``Packer()`` (``num_microbatches`` bins of near-equal
+            tokens); a :class:`~lightning_pipe.runtime.packing.Packer` for a token budget. The first
+            batch that packs two sequences is checked (first stage, packed against unpacked) and a
+            model whose result packing would change is refused. Needs a token-averaged loss.
     """
 
     strategy_name = "elastic_pipe"
@@ -161,9 +176,19 @@ class ElasticPipelineStrategy(ParallelStrategy):
         allow_sample_mixing: bool = False,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
+        packing: bool | Packer = False,
     ) -> None:
         super().__init__()
         check_loss_weights(loss_weights)
+        self.packer: Packer | None = Packer() if packing is True else (packing or None)
+        if self.packer is not None and not isinstance(self.packer, Packer):
+            raise TypeError(f"`packing` must be a bool or a `Packer`, got {type(packing).__name__}.")
+        if self.packer is not None and loss_weights == "samples":
+            raise ValueError(
+                "`packing` puts several sequences in one microbatch row, so `loss_weights='samples'` cannot weight "
+                "them: use `loss_weights='auto'` (counted tokens) or turn `packing` off."
+            )
+        self._packing_checked = False
         if ranks_per_device < 1:
             raise ValueError(f"`ranks_per_device` must be at least 1, got {ranks_per_device}.")
         if ranks_per_device > 1 and process_group_backend == "nccl":
@@ -595,7 +620,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
         for seen, split in self._splits:
             if seen is batch:
                 return split
-        plan = plan_microbatches(batch, self.num_microbatches, 0 if self._batch_dim is None else self._batch_dim)
+        if self.packer is not None:
+            plan = self.packer.plan(batch, self.num_microbatches)
+        else:
+            plan = plan_microbatches(batch, self.num_microbatches, 0 if self._batch_dim is None else self._batch_dim)
         split = SplitBatch(plan, plan.split(batch))
         self._splits = [(batch, split)] + self._splits[:1]
         return split
@@ -617,6 +645,35 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 self._short_programs[num_microbatches] = program
             return program if train else forward_only(program)
         return self.program if train else self.eval_program
+
+    def _check_packing(self, step_name: str, batch: Any, plan: PackingPlan, rest: tuple) -> None:
+        """On the first batch that packs two sequences: run the first stage packed and unpacked (on its
+        rank), agree on the verdict in the pipeline group, and refuse a model packing would change."""
+        mb = check_microbatch(plan)
+        if mb is None:
+            return
+        first_rank = self.layout.pipeline_ranks()[self.program.rank_of(0)]
+        verdict = None
+        if self.global_rank == first_rank:
+            span = self.spans[0]
+
+            def run_stage(microbatch: Any, wrapper: Any) -> list[Tensor]:
+                result = self.runner.run(step_name, (microbatch, *rest), span, wrap_block=wrapper)
+                return [t for t in result.outputs if isinstance(t, Tensor)]
+
+            try:
+                with quiet_forward(self.lightning_module), metrics_inert(self.lightning_module):
+                    verdict = packing_difference(run_stage, batch, plan, mb)
+            except Exception as error:  # the user's step on a packed batch: report it as the refusal
+                verdict = f"`{step_name}` failed on a packed microbatch ({type(error).__name__}: {error})"
+        if self.pipeline_parallel_size > 1:
+            verdict = collectives.broadcast_object(
+                verdict, first_rank, self.groups.pipeline,
+                operation=f"the broadcast of the packing check from rank {first_rank} (the first stage)",
+            )
+        if verdict is not None:
+            raise ValueError(REFUSAL.format(what=verdict))
+        self._packing_checked = True
 
     def _check_sample_mixing(self, module: Any, num_microbatches: int, sizes: str = "") -> None:
         """Refuse, or warn once about, batch normalization in training mode with several microbatches.
@@ -645,6 +702,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         plan, microbatches = split.plan, split.microbatches
         if step_name not in self._observed:
             self._observe(step_name, (microbatches[0], *rest))
+        if isinstance(plan, PackingPlan) and not self._packing_checked:
+            self._check_packing(step_name, batch, plan, rest)
         program = self._program_for(plan.num_microbatches, train)
         steps = [(mb, *rest) for mb in microbatches]
         deferred = None
@@ -654,6 +713,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 self._check_sample_mixing(self.lightning_module, plan.num_microbatches, sizes)
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             block_wrapper = self.memory.before_step(batch, rest)
+            if isinstance(plan, PackingPlan):
+                block_wrapper = packed_block_wrapper(plan, block_wrapper)
             # 16-mixed with optimizer offload: each microbatch's loss carries the scaler's loss scale
             scale = self.memory.step_loss_scale or 1.0
             weights = upfront_weights(self.loss_weights, microbatches, plan.sizes)
@@ -673,7 +734,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 )
         else:
             weights = list(plan.weights)
-            work = StepWork(step_name, steps, count_losses=True)
+            packed = packed_block_wrapper(plan, None) if isinstance(plan, PackingPlan) else None
+            work = StepWork(step_name, steps, block_wrapper=packed, count_losses=True)
         if self.metric_states and self._runs_last_stage():
             self.metric_states.begin()
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
@@ -696,6 +758,13 @@ class ElasticPipelineStrategy(ParallelStrategy):
         records = [outcome.loss_records[mb] for mb in mbs]
         raw = [outcome.loss_weights[mb] for mb in mbs] if deferred is not None else weights
         decided = decide(records, plan.sizes, raw, deferred=deferred is not None)
+        if isinstance(plan, PackingPlan) and not decided.by_tokens:
+            raise ValueError(
+                "`packing` puts several sequences in one microbatch row, so the loss must be a mean over counted "
+                f"tokens (cross-entropy or NLL with `ignore_index`); this step's loss is "
+                f"{records[0].describe(records[0].returned) if records[0].returned is not None else 'not traced to one'}. "
+                "Return the token mean, pass `loss_weights=` (a callable or 'sum'), or turn `packing` off."
+            )
         return decided.weights, decided.normalizer
 
     def _share_outcome(

@@ -1,0 +1,391 @@
+"""Packing: a batch of padded sequences becomes microbatches of whole sequences back to back, no padding.
+
+:class:`Packer` reads a transformers-style batch (a mapping with ``input_ids`` ``[B, T]``, optional
+``attention_mask`` ``[B, T]`` of right padding, ``labels`` ``[B, T]``, optional ``position_ids``),
+takes each sample's real tokens, and puts whole sequences into microbatches (bins): by a token
+budget (``max_tokens``, first-fit decreasing, as many microbatches as needed) or into the
+strategy's ``num_microbatches`` bins of near-equal tokens (longest first, into the lightest bin).
+Each microbatch is one row ``[1, n]``:
+
+* every per-token item (a tensor whose first two dimensions are ``[B, T]``) holds the real tokens
+  of its sequences, concatenated;
+* ``position_ids`` restart at 0 for each sequence (or are the batch's own, packed like the rest);
+* ``attention_mask`` is None: there is no padding, and transformers then builds its per-sequence
+  mask from the packed ``position_ids``; models calling ``F.scaled_dot_product_attention`` without
+  a mask get attention within each sequence from :class:`~lightning_pipe.model.attention.PackedAttention`,
+  entered around every real block call (and its recomputation) by :func:`packed_block_wrapper`;
+* ``labels`` (``shift_labels=True``, transformers' convention of labels shifted inside the model):
+  the first label of each sequence becomes ``ignore_index``, so that the last token of a sequence
+  does not learn to predict the next sequence's first token. That label is never a target in the
+  unpacked batch either, so the counted targets, and hence a token-averaged loss, stay exact.
+
+Nothing here assumes the model is fit for packing: :func:`packing_difference` runs the first stage
+on a packed microbatch and on each of its sequences as the unpacked batch holds them, and the
+strategy refuses the model when they differ (positions from ``arange`` inside the model, attention
+across sequences), naming what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.model.attention import PackedAttention
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+LABELS = "labels"
+POSITION_IDS = "position_ids"
+
+
+@dataclass(frozen=True)
+class Packer:
+    """How the strategy packs a batch's sequences into microbatches (``ElasticPipelineStrategy(packing=...)``).
+
+    Args:
+        max_tokens: token budget of one microbatch: sequences go first-fit decreasing into as many
+            microbatches as needed (their number changes from batch to batch). None: the
+            strategy's ``num_microbatches`` microbatches of near-equal tokens.
+        shift_labels: the model shifts ``labels`` itself (transformers' causal LMs, a step computing
+            ``cross_entropy(logits[:, :-1], labels[:, 1:])``): the first label of each packed
+            sequence is set to ``ignore_index``. False: labels are already aligned with their
+            positions and are packed unchanged.
+        ignore_index: the label the loss ignores.
+        attention_backend: force the packed attention kernel (``"masked_sdpa"``, ``"flash_attn"``,
+            ``"varlen_attn"``); None: chosen per device (``model/attention.py``).
+    """
+
+    max_tokens: int | None = None
+    shift_labels: bool = True
+    ignore_index: int = -100
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"`Packer(max_tokens={self.max_tokens})`: the token budget must be at least 1.")
+
+    def plan(self, batch: Any, num_microbatches: int) -> PackingPlan:
+        """Plan the packed microbatches of ``batch`` (identical on every rank for the same batch).
+
+        Raises:
+            ValueError: the batch does not follow the convention (the message says what it holds and
+                what is expected), or a sequence is longer than ``max_tokens``.
+        """
+        lengths, per_token = _read_batch(batch)
+        if self.max_tokens is not None:
+            too_long = [(i, n) for i, n in enumerate(lengths) if n > self.max_tokens]
+            if too_long:
+                raise ValueError(
+                    f"`Packer(max_tokens={self.max_tokens})`: sequences {too_long[:5]} (sample, tokens) are longer than "
+                    "one microbatch may hold, and sequence slicing is not available: raise `max_tokens` to at least "
+                    f"{max(n for _, n in too_long)} or truncate the sequences."
+                )
+            groups = pack_by_budget(lengths, self.max_tokens)
+        else:
+            groups = pack_balanced(lengths, num_microbatches)
+        return PackingPlan(
+            batch_size=len(lengths), sequence_lengths=tuple(lengths), sequences=tuple(groups),
+            per_token=tuple(per_token), packer=self,
+        )
+
+
+def pack_by_budget(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, ...]]:
+    """First-fit decreasing: sequences, longest first, into the first microbatch with room.
+
+    Returns:
+        per microbatch, its samples in batch order (microbatches in the order they were opened).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        if lengths[i] == 0:
+            continue
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [tuple(sorted(b)) for b in bins]
+
+
+def pack_balanced(lengths: Sequence[int], num_microbatches: int) -> list[tuple[int, ...]]:
+    """Longest first into the microbatch with the fewest tokens (ties: the first): ``num_microbatches``
+    microbatches of near-equal tokens (fewer when there are fewer sequences)."""
+    count = min(num_microbatches, sum(1 for n in lengths if n > 0))
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] == 0:
+            continue
+        b = min(range(count), key=lambda j: (loads[j], j))
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return [tuple(sorted(b)) for b in bins]
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    """How one batch is packed into microbatches (plain data; read like a ``MicrobatchPlan``).
+
+    Attributes:
+        batch_size: samples (sequences) in the batch.
+        sequence_lengths: real tokens of each sample.
+        sequences: per microbatch, its samples (in batch order inside the microbatch).
+        per_token: the batch's keys whose tensors are ``[B, T, ...]`` (packed token by token).
+        packer: the settings that made the plan.
+    """
+
+    batch_size: int
+    sequence_lengths: tuple[int, ...]
+    sequences: tuple[tuple[int, ...], ...]
+    per_token: tuple[Any, ...]
+    packer: Packer = field(default_factory=Packer)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches (packed rows) in this plan."""
+        return len(self.sequences)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Sequences in each microbatch."""
+        return [len(group) for group in self.sequences]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Tokens of each packed row."""
+        return tuple(sum(self.sequence_lengths[i] for i in group) for group in self.sequences)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """Each microbatch's share of the batch's sequences (evaluation logs; training weights by
+        counted targets, ``runtime/loss_weights.py``)."""
+        return tuple(len(group) / self.batch_size for group in self.sequences)
+
+    def cu_seqlens(self, microbatch: int) -> Tensor:
+        """``[0, n_0, n_0 + n_1, ...]``: where each sequence of ``microbatch`` starts in its row (int32)."""
+        bounds = [0]
+        for i in self.sequences[microbatch]:
+            bounds.append(bounds[-1] + self.sequence_lengths[i])
+        return torch.tensor(bounds, dtype=torch.int32)
+
+    def split(self, batch: Mapping) -> list[dict]:
+        """The packed microbatches of ``batch`` (the batch this plan was made for)."""
+        return [self._pack(batch, group) for group in self.sequences]
+
+    def _pack(self, batch: Mapping, group: tuple[int, ...]) -> dict:
+        out: dict[Any, Any] = {}
+        for key, value in batch.items():
+            if key in self.per_token:
+                out[key] = torch.cat([value[i, : self.sequence_lengths[i]] for i in group]).unsqueeze(0)
+            elif key == ATTENTION_MASK:
+                out[key] = None
+            else:
+                out[key] = value
+        device = batch[INPUT_IDS].device
+        if POSITION_IDS not in self.per_token:
+            out[POSITION_IDS] = torch.cat(
+                [torch.arange(self.sequence_lengths[i], device=device) for i in group]
+            ).unsqueeze(0)
+        if LABELS in out and self.packer.shift_labels:
+            labels = out[LABELS].clone()
+            starts = self.cu_seqlens_of(group)[:-1]
+            labels[0, starts] = self.packer.ignore_index
+            out[LABELS] = labels
+        return type(batch)(out) if type(batch) is not dict and _rebuildable(batch) else out
+
+    def cu_seqlens_of(self, group: tuple[int, ...]) -> list[int]:
+        """Cumulative lengths of the samples ``group`` packed in that order."""
+        bounds = [0]
+        for i in group:
+            bounds.append(bounds[-1] + self.sequence_lengths[i])
+        return bounds
+
+    def unpacked(self, batch: Mapping, sample: int) -> Any:
+        """Sample ``sample`` of ``batch`` alone, as the unpacked batch holds it (a batch of one, padded)."""
+        out = {}
+        for key, value in batch.items():
+            out[key] = value[sample : sample + 1] if isinstance(value, Tensor) and value.dim() > 0 else value
+        return type(batch)(out) if type(batch) is not dict and _rebuildable(batch) else out
+
+
+def _rebuildable(batch: Mapping) -> bool:
+    try:
+        type(batch)({})
+    except TypeError:
+        return False
+    return True
+
+
+def _read_batch(batch: Any) -> tuple[list[int], list[Any]]:
+    """Real tokens per sample, and the keys of per-token items; refuses what does not follow the convention."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get(INPUT_IDS), Tensor) or batch[INPUT_IDS].dim() != 2:
+        held = (
+            {k: tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__ for k, v in batch.items()}
+            if isinstance(batch, Mapping) else type(batch).__name__
+        )
+        raise ValueError(
+            f"Packing reads transformers-style batches: a mapping with 'input_ids' [B, T] (and 'attention_mask' "
+            f"[B, T] of right padding, 'labels' [B, T], optionally 'position_ids'); this batch holds {held}. Return "
+            "such a dict from the dataloader, or turn `packing` off."
+        )
+    ids = batch[INPUT_IDS]
+    B, T = ids.shape
+    mask = batch.get(ATTENTION_MASK)
+    if mask is None:
+        lengths = [T] * B
+    else:
+        if not isinstance(mask, Tensor) or tuple(mask.shape) != (B, T):
+            raise ValueError(f"Packing: batch['attention_mask'] must be [B, T] = {(B, T)} like 'input_ids', got {mask!r:.80}.")
+        real = mask.bool()
+        lengths = real.sum(1).tolist()
+        positions = torch.arange(T, device=mask.device)
+        right_padded = (real == (positions[None, :] < real.sum(1, keepdim=True))).all()
+        if not bool(right_padded):
+            rows = [i for i in range(B) if not bool((real[i] == (positions < lengths[i])).all())]
+            raise ValueError(
+                f"Packing needs right padding (each row's real tokens first, then padding), but rows {rows[:5]} of "
+                "batch['attention_mask'] are not: pad on the right (`tokenizer.padding_side = 'right'`)."
+            )
+    per_token = []
+    for key, value in batch.items():
+        if key == ATTENTION_MASK or not isinstance(value, Tensor) or value.dim() == 0:
+            continue
+        if value.dim() >= 2 and tuple(value.shape[:2]) == (B, T):
+            per_token.append(key)
+        elif value.shape[0] == B:
+            raise ValueError(
+                f"Packing: batch[{key!r}] has shape {tuple(value.shape)}, a per-sample value without a token dimension "
+                f"[B, T] = {(B, T)}, which a packed row of several sequences cannot carry. Keep per-token tensors "
+                "only in packed batches, or turn `packing` off."
+            )
+    return [int(n) for n in lengths], per_token
+
+
+def packed_block_wrapper(plan: PackingPlan, inner: Callable[[int, int], Any] | None) -> Callable[[int, int], Any]:
+    """The executor's ``block_wrapper`` for a packed step: every real block call of microbatch
+    ``mb`` (and its recomputation under a memory plan's ``inner`` wrapper) runs under
+    :class:`PackedAttention` with that microbatch's ``cu_seqlens``."""
+
+    def for_stage(stage: int, mb: int):
+        cu = plan.cu_seqlens(mb)
+        wrapped = inner(stage, mb) if inner is not None else None
+
+        def run(index: int, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            def packed_forward(*a: Any, **k: Any) -> Any:
+                with PackedAttention(cu, backend=plan.packer.attention_backend):
+                    return forward(*a, **k)
+
+            if wrapped is not None:
+                return wrapped(index, packed_forward, args, kwargs)
+            return packed_forward(*args, **kwargs)
+
+        return run
+
+    return for_stage
+
+
+# --- the first-batch check ---------------------------------------------------------------------
+
+
+def check_microbatch(plan: PackingPlan) -> int | None:
+    """The microbatch the first-batch check runs on: the one packing the most sequences (None when
+    no microbatch packs two, so that nothing about packing can be seen yet)."""
+    best = max(range(plan.num_microbatches), key=lambda mb: (plan.sizes[mb], -mb))
+    return best if plan.sizes[best] >= 2 else None
+
+
+def packing_difference(
+    run_stage: Callable[[Any, Callable | None], list[Tensor]],
+    batch: Mapping,
+    plan: PackingPlan,
+    microbatch: int,
+) -> str | None:
+    """Compare the first stage's output on a packed microbatch with its sequences run unpacked.
+
+    Args:
+        run_stage: runs the first stage of the user's step on a microbatch with a block wrapper
+            (or None) and returns the stage's output tensors (no gradients).
+        batch: the unpacked batch.
+        plan: its packing plan.
+        microbatch: which packed microbatch to compare.
+
+    Returns:
+        None when every sequence's output tokens agree (to the dtype's rounding); otherwise what
+        differs, for the refusal message.
+    """
+    group = plan.sequences[microbatch]
+    bounds = plan.cu_seqlens_of(group)
+    packed = run_stage(plan.split(batch)[microbatch], packed_block_wrapper(plan, None)(0, microbatch))
+    total = bounds[-1]
+    worst = (0.0, None)
+    compared = False
+    for position, sample in enumerate(group):
+        alone = run_stage(plan.unpacked(batch, sample), None)
+        n = plan.sequence_lengths[sample]
+        for index, (p, u) in enumerate(zip(packed, alone)):
+            if p.dim() < 2 or tuple(p.shape[:2]) != (1, total) or u.dim() < 2 or u.shape[0] != 1 or u.shape[1] < n:
+                continue
+            compared = True
+            got = p[0, bounds[position] : bounds[position + 1]].double()
+            want = u[0, :n].double()
+            scale = max(float(want.abs().max()), 1e-30)
+            error = float((got - want).abs().max()) / scale
+            if error > worst[0]:
+                worst = (error, (sample, position, index))
+    if not compared:
+        return (
+            "the first stage's output has no token dimension [1, T, ...] to compare (shapes "
+            f"{[tuple(t.shape) for t in packed]})"
+        )
+    tolerance = _tolerance(packed[0].dtype)
+    if worst[0] <= tolerance:
+        return None
+    sample, position, index = worst[1]
+    return (
+        f"sequence {sample} (packed at position {position} of microbatch {microbatch}, after "
+        f"{bounds[position]} tokens of other sequences) gets a first-stage output (tensor {index}) that differs from "
+        f"its unpacked output by {worst[0]:.2e} (relative; allowed {tolerance:.0e})"
+    )
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype in (torch.float16, torch.bfloat16):
+        return 3e-2
+    return 1e-4
+
+
+@contextlib.contextmanager
+def quiet_forward(module: torch.nn.Module):
+    """Run extra forwards that must leave no trace: evaluation mode (no dropout) and the random
+    number generators restored afterwards."""
+    modes = [(m, m.training) for m in module.modules()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        module.train(False)
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
+
+REFUSAL = (
+    "Packing would change this model's result: {what}. Packing puts several sequences in one row with "
+    "`position_ids` restarting at 0 for each and no `attention_mask`; the model must take its positions from "
+    "the batch (`position_ids`, e.g. `self.model(**batch)` or `position_ids=batch['position_ids']` for "
+    "transformers models; not `torch.arange(T)` inside `forward`) and restrict attention to each sequence "
+    "(transformers' attention with the packed `position_ids`, or `F.scaled_dot_product_attention(..., "
+    "is_causal=True)` without a mask, which lightning-pipe restricts). Change the model so, or turn `packing` off."
+)
