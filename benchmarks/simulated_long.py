@@ -27,7 +27,8 @@ vs time and length.
 
     python benchmarks/simulated_long.py                  # the table (about a minute on 2 cores)
     python benchmarks/simulated_long.py --quick          # smoke test
-    python benchmarks/simulated_long.py --plot docs/img  # also the pictures of docs/long_sequences.md
+    python benchmarks/simulated_long.py --quick --plot-chunks docs/img/long_chunks.png \
+        --plot-timeline docs/img/long_sliced_timeline.png   # the pictures of docs/long_sequences.md
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def table_2(cost: CostModel, batches: list[list[int]], num_slices: int) -> dict[
     return out
 
 
-def run(num_batches: int, contexts: list[int], plot: Path | None) -> None:
+def run(num_batches: int, contexts: list[int], plot: tuple[Path | None, Path | None]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -156,12 +157,14 @@ def run(num_batches: int, contexts: list[int], plot: Path | None) -> None:
         rsd.add_row(name, f"{t:.1f}", f"{n:.1f}")
     console.print(rsd)
     console.print(f"python {sys.version.split()[0]}, {time.perf_counter() - started:.1f} s wall")
-    if plot is not None and example is not None:
+    if example is not None and any(plot):
         draw(plot, example[0], example[1], cost)
 
 
-def draw(folder: Path, batches: list[list[int]], results: list[tuple[float, ChunkPlan]], cost: CostModel) -> None:
-    """``long_chunks.png`` (a batch turned into chunks) and ``long_sliced_timeline.png`` (its sliced 1F1B step)."""
+def draw(
+    paths: tuple[Path | None, Path | None], batches: list[list[int]], results: list[tuple[float, ChunkPlan]], cost: CostModel
+) -> None:
+    """The batch with the longest sequence turned into chunks, and its sliced 1F1B step (simulated)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,7 +172,7 @@ def draw(folder: Path, batches: list[list[int]], results: list[tuple[float, Chun
 
     from lightning_pipe.schedules.render import render_png
 
-    folder.mkdir(parents=True, exist_ok=True)
+    chunks_path, timeline_path = paths
     index = max(range(len(batches)), key=lambda i: max(batches[i]))
     lengths, plan = batches[index], results[index][1]
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(plan.chunks) + 1.2))
@@ -188,23 +191,28 @@ def draw(folder: Path, batches: list[list[int]], results: list[tuple[float, Chun
     ax.set_ylabel("chunk (schedule order)")
     ax.set_title(f"A batch of {len(lengths)} sequences (longest {max(lengths)}) as {len(plan.chunks)} chunks, N = {len(plan.mesh)}")
     fig.tight_layout()
-    fig.savefig(folder / "long_chunks.png", dpi=110)
+    if chunks_path is not None:
+        chunks_path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(chunks_path, dpi=110)
     plt.close(fig)
-    program = sliced_1f1b(NUM_STAGES, len(plan.chunks), plan.slices)
-    result = simulate(program, cost.stage_costs(uniform_boundaries(cost.num_blocks, NUM_STAGES), plan.shapes))
-    render_png(result, folder / "long_sliced_timeline.png", title="Sliced 1F1B of those chunks (simulated, 7B, 4 stages)")
+    if timeline_path is not None:
+        program = sliced_1f1b(NUM_STAGES, len(plan.chunks), plan.slices)
+        result = simulate(program, cost.stage_costs(uniform_boundaries(cost.num_blocks, NUM_STAGES), plan.shapes))
+        render_png(result, timeline_path, title="Sliced 1F1B of those chunks (simulated, 7B, 4 stages)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="one context, two batches")
-    parser.add_argument("--plot", type=Path, default=None, help="folder for the pictures")
+    parser.add_argument("--plot-chunks", type=Path, default=None, help="PNG: a batch turned into chunks")
+    parser.add_argument("--plot-timeline", type=Path, default=None, help="PNG: that batch's sliced 1F1B step")
     args = parser.parse_args()
+    plot = (args.plot_chunks, args.plot_timeline)
     if args.quick:
-        run(2, [65536], args.plot)
+        run(2, [65536], plot)
     else:
-        run(args.batches, [32768, 65536, 131072], args.plot)
+        run(args.batches, [32768, 65536, 131072], plot)
 
 
 if __name__ == "__main__":
