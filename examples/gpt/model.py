@@ -181,8 +181,11 @@ class GPT(L.LightningModule):
 
     def _loss(self, batch: torch.Tensor | dict) -> torch.Tensor:
         if isinstance(batch, dict):  # input_ids [B, T], labels [B, T] (the model shifts them), position_ids
-            logits = self(batch["input_ids"], batch.get("position_ids"))[:, :-1]  # [B, T - 1, V]
-            y = batch["labels"][:, 1:]
+            logits = self(batch["input_ids"], batch.get("position_ids"))  # [B, T, V]
+            if batch.get("shift_labels") is not None:  # each position's own target, as transformers takes it
+                y = batch["shift_labels"]
+            else:
+                logits, y = logits[:, :-1], batch["labels"][:, 1:]
         else:
             x, y = batch[:, :-1], batch[:, 1:]  # [B, T] each
             logits = self(x)  # [B, T, V]

@@ -174,3 +174,96 @@ class PackedAttention(TorchFunctionMode):
                     enable_gqa=bool(bound.get("enable_gqa", False)), backend=backend,
                 )
         return func(*args, **kwargs)
+
+
+class KeyValueStore:
+    """Keys and values of the slices of sliced sequences, for one step on one rank.
+
+    Entry ``(sample, block, call)`` holds, per slice index, the slice's own ``k, v`` (autograd
+    tensors of its forward: the roots its backward differentiates with the gradients the later
+    slices left) and their detached copies that later slices attend to (leaves requiring grad, whose
+    ``.grad`` collects those gradients).
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, int, int], dict[int, tuple[Tensor, Tensor, Tensor, Tensor]]] = {}
+
+    def pop_roots(self, sample: int, index: int, blocks: range) -> tuple[list[Tensor], list[Tensor]]:
+        """The extra backward roots of slice ``index`` of ``sample`` on ``blocks``: its ``k, v`` and the
+        gradients later slices accumulated into them (those no later slice used are skipped); the
+        slice's entries are dropped."""
+        roots, grads = [], []
+        for (s, block, _), slots in self.entries.items():
+            if s != sample or block not in blocks or index not in slots:
+                continue
+            k, v, k_leaf, v_leaf = slots.pop(index)
+            for tensor, leaf in ((k, k_leaf), (v, v_leaf)):
+                if leaf.grad is not None and tensor.requires_grad:
+                    roots.append(tensor)
+                    grads.append(leaf.grad)
+        return roots, grads
+
+
+def _lower_right_causal(queries: int, keys: int, device: torch.device) -> Tensor:
+    """``[queries, keys]``: query ``t`` sees keys up to ``keys - queries + t`` (the slice's own position)."""
+    offset = keys - queries
+    return torch.arange(keys, device=device)[None, :] <= (torch.arange(queries, device=device)[:, None] + offset)
+
+
+class SlicedAttention(TorchFunctionMode):
+    """Within this context, causal SDPA calls of one slice attend to the earlier slices' keys and values too.
+
+    Entered around one real block call of slice ``index`` of sequence ``sample`` (``context`` tokens
+    before it). The block's ``c``-th SDPA call (no mask, causal) stores the slice's ``k, v`` in the
+    step's :class:`KeyValueStore` and attends with ``q`` over the earlier slices' stored keys and
+    values followed by its own, lower-right aligned. A recomputation (activation checkpointing) finds
+    its entry already stored and reuses the earlier slices' leaves without storing again.
+
+    Args:
+        store: the step's keys and values.
+        sample: the sliced sequence (its sample in the batch).
+        index: which slice of it this is.
+        context: tokens of the sequence before this slice.
+        block: the block being called.
+    """
+
+    def __init__(self, store: KeyValueStore, sample: int, index: int, context: int, block: int) -> None:
+        super().__init__()
+        self.store, self.sample, self.index, self.context, self.block = store, sample, index, context, block
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not _ORIGINAL_SDPA:
+            return func(*args, **kwargs)
+        bound = dict(zip(_SDPA_ARGS, args))
+        bound.update(kwargs)
+        query, key, value = bound["query"], bound["key"], bound["value"]
+        if query.device.type == "meta" or bound.get("attn_mask") is not None:
+            return func(*args, **kwargs)
+        if not bound.get("is_causal", False):
+            raise ValueError(
+                f"Block {self.block}: a slice of a sliced sequence calls `F.scaled_dot_product_attention` without "
+                "`is_causal=True`: only causal attention can be cut into slices. Turn `slicing` off for this model."
+            )
+        slots = self.store.entries.setdefault((self.sample, self.block, self.calls), {})
+        self.calls += 1
+        if self.index not in slots:  # first run (a recomputation finds it stored)
+            grad = torch.is_grad_enabled()
+            slots[self.index] = (
+                key, value, key.detach().requires_grad_(grad and key.requires_grad),
+                value.detach().requires_grad_(grad and value.requires_grad),
+            )
+        missing = [i for i in range(self.index) if i not in slots]
+        if missing:
+            raise RuntimeError(
+                f"Slice {self.index} of sample {self.sample} at block {self.block}: the keys and values of slices "
+                f"{missing} are not stored (their forward did not run on this rank before, or was released)."
+            )
+        keys = torch.cat([slots[i][2] for i in range(self.index)] + [key], dim=-2)
+        values = torch.cat([slots[i][3] for i in range(self.index)] + [value], dim=-2)
+        mask = _lower_right_causal(query.shape[-2], keys.shape[-2], query.device)
+        return _ORIGINAL_SDPA(
+            query, keys, values, attn_mask=mask, dropout_p=float(bound.get("dropout_p", 0.0)), is_causal=False,
+            scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa", False)),
+        )

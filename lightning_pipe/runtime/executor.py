@@ -47,6 +47,9 @@ class StepWork:
             ``StepOutcome.loss_records``.
         loss_weight: given (microbatch, its loss record), a further factor for its loss, decided
             when its forward has run (``runtime/loss_weights.raw_weight``); None: none.
+        extra_roots: given (stage, microbatch), more tensors its backward differentiates and their
+            gradients (a slice's keys and values with what later slices left them,
+            ``model/attention.KeyValueStore``); None: none. Full backward (``B``) only.
     """
 
     step_name: str
@@ -55,6 +58,7 @@ class StepWork:
     block_wrapper: Callable[[int, int], BlockWrapper | None] | None = None
     count_losses: bool = False
     loss_weight: Callable[[int, LossRecord], Any] | None = None
+    extra_roots: Callable[[int, int], tuple[list[Tensor], list[Tensor]]] | None = None
 
 
 @dataclass
@@ -258,6 +262,12 @@ class PipelineExecutor:
     def _backward(self, stage: int, mb: int, full: bool) -> None:
         slot = self._slots[(stage, mb)]
         outputs, grads = self._output_gradients(stage, mb, slot)
+        if self._work.extra_roots is not None:
+            more, more_grads = self._work.extra_roots(stage, mb)
+            if more and not full:
+                raise RuntimeError(f"Rank {self.pipeline_rank}: stage {stage} microbatch {mb} has key/value gradients "
+                                   "to apply, which a split backward (I/W) does not support.")
+            outputs, grads = outputs + more, grads + more_grads
         inputs = self._float_inputs(slot)
         if full:
             if outputs:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.model.attention import PackedAttention
+from lightning_pipe.model.attention import KeyValueStore, PackedAttention, SlicedAttention
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -58,16 +58,28 @@ class Packer:
         ignore_index: the label the loss ignores.
         attention_backend: force the packed attention kernel (``"masked_sdpa"``, ``"flash_attn"``,
             ``"varlen_attn"``); None: chosen per device (``model/attention.py``).
+        slicing: cut sequences longer than ``max_tokens`` into slices of near-equal length that run
+            as consecutive microbatches, each attending to the keys and values of the earlier ones
+            (sequence slicing; schedule ``"1f1b"`` only, run as sliced 1F1B). Each microbatch then
+            carries ``shift_labels`` (its targets, aligned with its positions), which transformers'
+            loss uses as given: the model must honour it (checked: the counted targets of the step
+            must equal the batch's). See docs/long_sequences.md.
     """
 
     max_tokens: int | None = None
     shift_labels: bool = True
     ignore_index: int = -100
     attention_backend: str | None = None
+    slicing: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"`Packer(max_tokens={self.max_tokens})`: the token budget must be at least 1.")
+        if self.slicing and (self.max_tokens is None or not self.shift_labels):
+            raise ValueError(
+                "`Packer(slicing=True)` cuts sequences longer than `max_tokens`: give `max_tokens`, and keep "
+                "`shift_labels=True` (slices get their targets as `shift_labels`)."
+            )
 
     def plan(self, batch: Any, num_microbatches: int) -> PackingPlan:
         """Plan the packed microbatches of ``batch`` (identical on every rank for the same batch).
@@ -77,6 +89,8 @@ class Packer:
                 what is expected), or a sequence is longer than ``max_tokens``.
         """
         lengths, per_token = _read_batch(batch)
+        if self.slicing:
+            return _sliced_plan(self, lengths, per_token, batch)
         if self.max_tokens is not None:
             too_long = [(i, n) for i, n in enumerate(lengths) if n > self.max_tokens]
             if too_long:
@@ -88,10 +102,32 @@ class Packer:
             groups = pack_by_budget(lengths, self.max_tokens)
         else:
             groups = pack_balanced(lengths, num_microbatches)
-        return PackingPlan(
-            batch_size=len(lengths), sequence_lengths=tuple(lengths), sequences=tuple(groups),
-            per_token=tuple(per_token), packer=self,
-        )
+        pieces = tuple(tuple((i, 0, lengths[i]) for i in group) for group in groups)
+        return PackingPlan(len(lengths), tuple(lengths), pieces, tuple(per_token), self, (1,) * len(pieces))
+
+
+def _sliced_plan(packer: Packer, lengths: list[int], per_token: list[Any], batch: Mapping) -> PackingPlan:
+    """Sequences longer than the budget in near-equal slices (longest first, consecutive microbatches),
+    then the others packed first-fit decreasing."""
+    budget = packer.max_tokens
+    assert budget is not None
+    long = sorted((i for i, n in enumerate(lengths) if n > budget), key=lambda i: (-lengths[i], i))
+    pieces: list[tuple[tuple[int, int, int], ...]] = []
+    slices: list[int] = []
+    for i in long:
+        count = -(-lengths[i] // budget)
+        bounds = [round(k * lengths[i] / count) for k in range(count + 1)]
+        pieces += [((i, a, b - a),) for a, b in zip(bounds, bounds[1:])]
+        slices.append(count)
+    short = [n if n <= budget else 0 for n in lengths]
+    for group in pack_by_budget(short, budget):
+        pieces.append(tuple((i, 0, lengths[i]) for i in group))
+        slices.append(1)
+    targets = None
+    if LABELS in batch:
+        labels = batch[LABELS]
+        targets = int(sum(int((labels[i, 1:n] != packer.ignore_index).sum()) for i, n in enumerate(lengths)))
+    return PackingPlan(len(lengths), tuple(lengths), tuple(pieces), tuple(per_token), packer, tuple(slices), targets)
 
 
 def pack_by_budget(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, ...]]:
@@ -139,16 +175,42 @@ class PackingPlan:
     Attributes:
         batch_size: samples (sequences) in the batch.
         sequence_lengths: real tokens of each sample.
-        sequences: per microbatch, its samples (in batch order inside the microbatch).
+        pieces: per microbatch, its pieces ``(sample, start, length)``: whole sequences (start 0, all
+            tokens), or one slice of a sliced sequence.
         per_token: the batch's keys whose tensors are ``[B, T, ...]`` (packed token by token).
         packer: the settings that made the plan.
+        slices: microbatches per scheduled group, in order: a sliced sequence's slices form one group
+            (backward last slice first, ``schedules/families/sliced_1f1b.py``), others groups of one.
+        targets: with slicing, the targets the unsliced batch counts (labels shifted inside the
+            model), which the step's loss calls must count too.
     """
 
     batch_size: int
     sequence_lengths: tuple[int, ...]
-    sequences: tuple[tuple[int, ...], ...]
+    pieces: tuple[tuple[tuple[int, int, int], ...], ...]
     per_token: tuple[Any, ...]
     packer: Packer = field(default_factory=Packer)
+    slices: tuple[int, ...] = ()
+    targets: int | None = None
+
+    @property
+    def sequences(self) -> tuple[tuple[int, ...], ...]:
+        """Per microbatch, the samples it holds (a piece of each)."""
+        return tuple(tuple(i for i, _, _ in group) for group in self.pieces)
+
+    @property
+    def is_sliced(self) -> bool:
+        """Whether some sequence is cut into slices."""
+        return any(count > 1 for count in self.slices)
+
+    def slice_of(self, microbatch: int) -> tuple[int, int, int] | None:
+        """``(sample, slice index, context)`` when ``microbatch`` is a slice of a sliced sequence."""
+        group = self.pieces[microbatch]
+        if len(group) != 1 or group[0][2] == self.sequence_lengths[group[0][0]]:
+            return None
+        sample, start, _ = group[0]
+        index = sum(1 for other in self.pieces[:microbatch] if len(other) == 1 and other[0][0] == sample)
+        return sample, index, start
 
     @property
     def num_microbatches(self) -> int:
@@ -163,7 +225,7 @@ class PackingPlan:
     @property
     def lengths(self) -> tuple[int, ...]:
         """Tokens of each packed row."""
-        return tuple(sum(self.sequence_lengths[i] for i in group) for group in self.sequences)
+        return tuple(sum(n for _, _, n in group) for group in self.pieces)
 
     @property
     def weights(self) -> tuple[float, ...]:
@@ -172,43 +234,46 @@ class PackingPlan:
         return tuple(len(group) / self.batch_size for group in self.sequences)
 
     def cu_seqlens(self, microbatch: int) -> Tensor:
-        """``[0, n_0, n_0 + n_1, ...]``: where each sequence of ``microbatch`` starts in its row (int32)."""
+        """``[0, n_0, n_0 + n_1, ...]``: where each piece of ``microbatch`` starts in its row (int32)."""
+        return torch.tensor(self.cu_seqlens_of(microbatch), dtype=torch.int32)
+
+    def cu_seqlens_of(self, microbatch: int) -> list[int]:
+        """Cumulative lengths of the pieces of ``microbatch``."""
         bounds = [0]
-        for i in self.sequences[microbatch]:
-            bounds.append(bounds[-1] + self.sequence_lengths[i])
-        return torch.tensor(bounds, dtype=torch.int32)
+        for _, _, n in self.pieces[microbatch]:
+            bounds.append(bounds[-1] + n)
+        return bounds
 
     def split(self, batch: Mapping) -> list[dict]:
         """The packed microbatches of ``batch`` (the batch this plan was made for)."""
-        return [self._pack(batch, group) for group in self.sequences]
+        return [self._pack(batch, mb) for mb in range(self.num_microbatches)]
 
-    def _pack(self, batch: Mapping, group: tuple[int, ...]) -> dict:
+    def _pack(self, batch: Mapping, mb: int) -> dict:
+        group = self.pieces[mb]
         out: dict[Any, Any] = {}
         for key, value in batch.items():
             if key in self.per_token:
-                out[key] = torch.cat([value[i, : self.sequence_lengths[i]] for i in group]).unsqueeze(0)
+                out[key] = torch.cat([value[i, a : a + n] for i, a, n in group]).unsqueeze(0)
             elif key == ATTENTION_MASK:
                 out[key] = None
             else:
                 out[key] = value
         device = batch[INPUT_IDS].device
         if POSITION_IDS not in self.per_token:
-            out[POSITION_IDS] = torch.cat(
-                [torch.arange(self.sequence_lengths[i], device=device) for i in group]
-            ).unsqueeze(0)
+            out[POSITION_IDS] = torch.cat([torch.arange(a, a + n, device=device) for _, a, n in group]).unsqueeze(0)
         if LABELS in out and self.packer.shift_labels:
             labels = out[LABELS].clone()
-            starts = self.cu_seqlens_of(group)[:-1]
+            starts = self.cu_seqlens_of(mb)[:-1]
             labels[0, starts] = self.packer.ignore_index
             out[LABELS] = labels
+            if self.packer.slicing:  # each token's own target (the next token of its sequence, even across slices)
+                full = batch[LABELS]
+                ignore = torch.full((1,), self.packer.ignore_index, dtype=full.dtype, device=full.device)
+                out["shift_labels"] = torch.cat(
+                    [torch.cat([full[i, a + 1 : min(a + n + 1, self.sequence_lengths[i])],
+                                ignore[: max(0, a + n + 1 - self.sequence_lengths[i])]]) for i, a, n in group]
+                ).unsqueeze(0)
         return type(batch)(out) if type(batch) is not dict and _rebuildable(batch) else out
-
-    def cu_seqlens_of(self, group: tuple[int, ...]) -> list[int]:
-        """Cumulative lengths of the samples ``group`` packed in that order."""
-        bounds = [0]
-        for i in group:
-            bounds.append(bounds[-1] + self.sequence_lengths[i])
-        return bounds
 
     def unpacked(self, batch: Mapping, sample: int) -> Any:
         """Sample ``sample`` of ``batch`` alone, as the unpacked batch holds it (a batch of one, padded)."""
@@ -271,18 +336,27 @@ def _read_batch(batch: Any) -> tuple[list[int], list[Any]]:
     return [int(n) for n in lengths], per_token
 
 
-def packed_block_wrapper(plan: PackingPlan, inner: Callable[[int, int], Any] | None) -> Callable[[int, int], Any]:
+def packed_block_wrapper(
+    plan: PackingPlan, inner: Callable[[int, int], Any] | None, store: KeyValueStore | None = None
+) -> Callable[[int, int], Any]:
     """The executor's ``block_wrapper`` for a packed step: every real block call of microbatch
     ``mb`` (and its recomputation under a memory plan's ``inner`` wrapper) runs under
-    :class:`PackedAttention` with that microbatch's ``cu_seqlens``."""
+    :class:`PackedAttention` with that microbatch's ``cu_seqlens``, or, for a slice of a sliced
+    sequence, under :class:`SlicedAttention` with the step's key/value ``store``."""
 
     def for_stage(stage: int, mb: int):
         cu = plan.cu_seqlens(mb)
         wrapped = inner(stage, mb) if inner is not None else None
+        sliced = plan.slice_of(mb) if store is not None else None
 
         def run(index: int, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             def packed_forward(*a: Any, **k: Any) -> Any:
-                with PackedAttention(cu, backend=plan.packer.attention_backend):
+                if sliced is not None:
+                    sample, position, context = sliced
+                    mode = SlicedAttention(store, sample, position, context, index)
+                else:
+                    mode = PackedAttention(cu, backend=plan.packer.attention_backend)
+                with mode:
                     return forward(*a, **k)
 
             if wrapped is not None:
@@ -324,7 +398,7 @@ def packing_difference(
         differs, for the refusal message.
     """
     group = plan.sequences[microbatch]
-    bounds = plan.cu_seqlens_of(group)
+    bounds = plan.cu_seqlens_of(microbatch)
     packed = run_stage(plan.split(batch)[microbatch], packed_block_wrapper(plan, None)(0, microbatch))
     total = bounds[-1]
     worst = (0.0, None)
@@ -355,6 +429,54 @@ def packing_difference(
         f"sequence {sample} (packed at position {position} of microbatch {microbatch}, after "
         f"{bounds[position]} tokens of other sequences) gets a first-stage output (tensor {index}) that differs from "
         f"its unpacked output by {worst[0]:.2e} (relative; allowed {tolerance:.0e})"
+    )
+
+
+def slicing_difference(
+    run_stage: Callable[[Any, Callable | None], list[Tensor]], batch: Mapping, plan: PackingPlan
+) -> str | None:
+    """Compare the first stage's output on the slices of the plan's first sliced sequence (run in
+    order, each attending to the earlier ones' keys and values) with that sequence run whole.
+
+    Returns:
+        None when they agree (to the dtype's rounding), else what differs; None too when nothing is sliced.
+    """
+    start = 0
+    for count in plan.slices:
+        if count > 1:
+            break
+        start += count
+    else:
+        return None
+    microbatches = range(start, start + count)
+    sample = plan.pieces[start][0][0]
+    rows = plan.split(batch)
+    store = KeyValueStore()
+    wrappers = packed_block_wrapper(plan, None, store)
+    sliced = [run_stage(rows[mb], wrappers(0, mb)) for mb in microbatches]
+    alone = run_stage(plan.unpacked(batch, sample), None)
+    n = plan.sequence_lengths[sample]
+    worst, where = 0.0, None
+    for index, whole in enumerate(alone):
+        parts = [outputs[index] for outputs in sliced if index < len(outputs)]
+        if whole.dim() < 2 or len(parts) != count or any(p.dim() < 2 or p.shape[0] != 1 for p in parts):
+            continue
+        got = torch.cat([p[0] for p in parts]).double()
+        if got.shape[0] != n:
+            continue
+        want = whole[0, :n].double()
+        scale = max(float(want.abs().max()), 1e-30)
+        error = float((got - want).abs().max()) / scale
+        if error > worst:
+            worst, where = error, index
+    if where is None and worst == 0.0 and not any(w.dim() >= 2 for w in alone):
+        return f"the first stage's output has no token dimension to compare (shapes {[tuple(t.shape) for t in alone]})"
+    tolerance = _tolerance(alone[0].dtype)
+    if worst <= tolerance:
+        return None
+    return (
+        f"sequence {sample}, cut into {count} slices, gets a first-stage output (tensor {where}) that differs from its "
+        f"unsliced output by {worst:.2e} (relative; allowed {tolerance:.0e})"
     )
 
 

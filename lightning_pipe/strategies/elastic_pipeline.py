@@ -64,7 +64,10 @@ from lightning_pipe.runtime.packing import (
     packed_block_wrapper,
     packing_difference,
     quiet_forward,
+    slicing_difference,
 )
+from lightning_pipe.model.attention import KeyValueStore
+from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
 from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
@@ -188,7 +191,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 "`packing` puts several sequences in one microbatch row, so `loss_weights='samples'` cannot weight "
                 "them: use `loss_weights='auto'` (counted tokens) or turn `packing` off."
             )
-        self._packing_checked = False
+        self._packing_checked = False  # a microbatch packing two sequences was checked
+        self._slicing_checked = False  # a sliced sequence was checked
         if ranks_per_device < 1:
             raise ValueError(f"`ranks_per_device` must be at least 1, got {ranks_per_device}.")
         if ranks_per_device > 1 and process_group_backend == "nccl":
@@ -224,7 +228,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._allow_sample_mixing = allow_sample_mixing
         self._warned_sample_mixing = False
         self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
-        self._short_programs: dict[int, Program] = {}
+        self._short_programs: dict[Any, Program] = {}
         if async_save and not save_distributed_checkpoint:
             raise ValueError(
                 "`async_save=True` writes sharded checkpoints on a background thread; it needs "
@@ -649,8 +653,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def _check_packing(self, step_name: str, batch: Any, plan: PackingPlan, rest: tuple) -> None:
         """On the first batch that packs two sequences: run the first stage packed and unpacked (on its
         rank), agree on the verdict in the pipeline group, and refuse a model packing would change."""
-        mb = check_microbatch(plan)
-        if mb is None:
+        mb = check_microbatch(plan) if not self._packing_checked else None
+        sliced = plan.is_sliced and not self._slicing_checked
+        if mb is None and not sliced:
             return
         first_rank = self.layout.pipeline_ranks()[self.program.rank_of(0)]
         verdict = None
@@ -663,7 +668,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
             try:
                 with quiet_forward(self.lightning_module), metrics_inert(self.lightning_module):
-                    verdict = packing_difference(run_stage, batch, plan, mb)
+                    verdict = packing_difference(run_stage, batch, plan, mb) if mb is not None else None
+                    if verdict is None and sliced:
+                        verdict = slicing_difference(run_stage, batch, plan)
             except Exception as error:  # the user's step on a packed batch: report it as the refusal
                 verdict = f"`{step_name}` failed on a packed microbatch ({type(error).__name__}: {error})"
         if self.pipeline_parallel_size > 1:
@@ -673,7 +680,35 @@ class ElasticPipelineStrategy(ParallelStrategy):
             )
         if verdict is not None:
             raise ValueError(REFUSAL.format(what=verdict))
-        self._packing_checked = True
+        self._packing_checked = self._packing_checked or mb is not None
+        self._slicing_checked = self._slicing_checked or sliced
+
+    def _sliced_program(self, plan: PackingPlan, train: bool) -> Program:
+        """Sliced 1F1B for a plan that cuts sequences into slices (backward last slice first)."""
+        if self.schedule.name != "1f1b":
+            raise ValueError(
+                f"`Packer(slicing=True)` cut sequences into slices, which run as sliced 1F1B (backward last slice "
+                f"first); schedule {self.schedule.name!r} cannot run them. Use `schedule='1f1b'`, or a larger "
+                "`max_tokens` so that no sequence is sliced."
+            )
+        program = self._short_programs.get(("sliced", plan.slices))
+        if program is None:
+            program = sliced_1f1b(self.pipeline_parallel_size, plan.num_microbatches, plan.slices)
+            validate(program)
+            self._short_programs[("sliced", plan.slices)] = program
+        return program if train else forward_only(program)
+
+    def _slice_roots(self, plan: PackingPlan, store: KeyValueStore) -> Any:
+        """The executor's ``extra_roots``: a slice's keys and values with what later slices left them."""
+
+        def roots(stage: int, mb: int) -> tuple[list[Tensor], list[Tensor]]:
+            sliced = plan.slice_of(mb)
+            if sliced is None:
+                return [], []
+            span = self.spans[stage]
+            return store.pop_roots(sliced[0], sliced[1], range(span.first_block, span.end_block))
+
+        return roots
 
     def _check_sample_mixing(self, module: Any, num_microbatches: int, sizes: str = "") -> None:
         """Refuse, or warn once about, batch normalization in training mode with several microbatches.
@@ -702,9 +737,13 @@ class ElasticPipelineStrategy(ParallelStrategy):
         plan, microbatches = split.plan, split.microbatches
         if step_name not in self._observed:
             self._observe(step_name, (microbatches[0], *rest))
-        if isinstance(plan, PackingPlan) and not self._packing_checked:
+        if isinstance(plan, PackingPlan) and not (self._packing_checked and (self._slicing_checked or not plan.is_sliced)):
             self._check_packing(step_name, batch, plan, rest)
-        program = self._program_for(plan.num_microbatches, train)
+        store = None
+        if isinstance(plan, PackingPlan) and plan.is_sliced:
+            program, store = self._sliced_program(plan, train), KeyValueStore()
+        else:
+            program = self._program_for(plan.num_microbatches, train)
         steps = [(mb, *rest) for mb in microbatches]
         deferred = None
         if train:
@@ -714,7 +753,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             block_wrapper = self.memory.before_step(batch, rest)
             if isinstance(plan, PackingPlan):
-                block_wrapper = packed_block_wrapper(plan, block_wrapper)
+                block_wrapper = packed_block_wrapper(plan, block_wrapper, store)
             # 16-mixed with optimizer offload: each microbatch's loss carries the scaler's loss scale
             scale = self.memory.step_loss_scale or 1.0
             weights = upfront_weights(self.loss_weights, microbatches, plan.sizes)
@@ -734,8 +773,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 )
         else:
             weights = list(plan.weights)
-            packed = packed_block_wrapper(plan, None) if isinstance(plan, PackingPlan) else None
+            packed = packed_block_wrapper(plan, None, store) if isinstance(plan, PackingPlan) else None
             work = StepWork(step_name, steps, block_wrapper=packed, count_losses=True)
+        if store is not None:
+            work.extra_roots = self._slice_roots(plan, store)
         if self.metric_states and self._runs_last_stage():
             self.metric_states.begin()
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
@@ -758,6 +799,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
         records = [outcome.loss_records[mb] for mb in mbs]
         raw = [outcome.loss_weights[mb] for mb in mbs] if deferred is not None else weights
         decided = decide(records, plan.sizes, raw, deferred=deferred is not None)
+        if isinstance(plan, PackingPlan) and plan.targets is not None and decided.by_tokens:
+            counted = sum(float(r.count_of(r.returned)) for r in records)
+            if counted != plan.targets:
+                raise ValueError(
+                    f"`Packer(slicing=True)`: the step's loss counted {counted:g} targets in the sliced microbatches, but "
+                    f"the batch has {plan.targets} (labels shifted inside the model): the model did not use the "
+                    "microbatches' `shift_labels` (each token's target, across slice boundaries). Pass the batch on as "
+                    "transformers takes it (`self.model(**batch)`), or use `shift_labels` in the loss, or turn slicing off."
+                )
         if isinstance(plan, PackingPlan) and not decided.by_tokens:
             raise ValueError(
                 "`packing` puts several sequences in one microbatch row, so the loss must be a mean over counted "
