@@ -89,3 +89,46 @@ def test_cuda_kernels_match_per_sequence_attention(backend):
     out = varlen_attention(q, k, v, cu, max(LENGTHS), causal=True, backend=backend)
     expected = _per_sequence(q.float(), k.float(), v.float(), causal=True)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_slices_attending_to_stored_keys_and_values_equal_the_whole_sequence_forward_and_backward():
+    """Three slices of one sequence through a projection and causal SDPA: slice outputs equal the whole
+    sequence's; backwards last slice first, each applying the key/value gradients later slices left,
+    give the whole sequence's parameter gradients."""
+    from lightning_pipe.model.attention import KeyValueStore, SlicedAttention
+
+    torch.manual_seed(0)
+    T, C, H = 11, 8, 2
+    x = torch.randn(1, T, C, dtype=torch.float64)
+    proj = torch.nn.Linear(C, 3 * C).double()
+
+    def attend(part):
+        q, k, v = proj(part).split(C, dim=2)
+        q, k, v = (t.view(1, -1, H, C // H).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    whole = attend(x)
+    whole.square().sum().backward()
+    want = [p.grad.clone() for p in proj.parameters()]
+    proj.zero_grad()
+
+    store, bounds, outputs = KeyValueStore(), [0, 5, 9, 11], []
+    for index, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        with SlicedAttention(store, sample=0, index=index, context=a, block=0):
+            outputs.append(attend(x[:, a:b]))
+    torch.testing.assert_close(torch.cat(outputs, dim=2), whole, atol=1e-12, rtol=0)
+    for index in reversed(range(3)):
+        roots, grads = store.pop_roots(0, index, range(1))
+        assert len(roots) == (2 if index < 2 else 0)  # the last slice's keys/values feed nobody
+        torch.autograd.backward([outputs[index].square().sum(), *roots], [None, *grads])
+    for p, w in zip(proj.parameters(), want):
+        torch.testing.assert_close(p.grad, w, atol=1e-12, rtol=0)
+
+
+def test_slices_refuse_non_causal_attention():
+    from lightning_pipe.model.attention import KeyValueStore, SlicedAttention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="without `is_causal=True`: only causal attention can be cut into slices"):
+        with SlicedAttention(KeyValueStore(), 0, 0, 0, 0):
+            F.scaled_dot_product_attention(q, q, q)

@@ -107,3 +107,29 @@ def test_the_check_compares_packed_with_unpacked_outputs(use_batch_positions):
 def test_nothing_to_check_while_no_microbatch_packs_two_sequences():
     batch = padded_lm_batches(1, batch_size=2, max_len=6)[0]
     assert check_microbatch(Packer().plan(batch, 2)) is None
+
+
+def test_slicing_cuts_long_sequences_into_consecutive_slices_with_their_targets():
+    batch = padded_lm_batches(1, batch_size=4, max_len=10, seed=4)[0]
+    lengths = batch["attention_mask"].sum(1).tolist()
+    plan = Packer(max_tokens=4, slicing=True).plan(batch, 2)
+    rows = plan.split(batch)
+    assert plan.is_sliced and sum(plan.slices) == plan.num_microbatches
+    assert all(n <= 4 for n in plan.lengths)
+    # every sequence's tokens once, in order; slices get positions from their context
+    for sample, n in enumerate(lengths):
+        got = [(mb, a, m) for mb, group in enumerate(plan.pieces) for i, a, m in group if i == sample]
+        assert sum(m for _, _, m in got) == n
+        for mb, a, m in got:
+            if m < n:
+                assert plan.slice_of(mb)[0] == sample and plan.slice_of(mb)[2] == a
+                assert torch.equal(rows[mb]["position_ids"][0], torch.arange(a, a + m))
+                assert torch.equal(rows[mb]["input_ids"][0], batch["input_ids"][sample, a : a + m])
+    # targets: each token's next token of its own sequence, across slice boundaries
+    counted = sum(int((row["shift_labels"] != -100).sum()) for row in rows)
+    assert counted == plan.targets == int(sum((batch["labels"][i, 1:n] != -100).sum() for i, n in enumerate(lengths)))
+
+
+def test_slicing_needs_a_budget():
+    with pytest.raises(ValueError, match=r"`Packer\(slicing=True\)` cuts sequences longer than `max_tokens`: give `max_tokens`"):
+        Packer(slicing=True)

@@ -132,3 +132,60 @@ def test_models_packing_would_change_are_refused_on_the_first_batch(make):
 def test_sample_weights_are_refused_with_packing():
     with pytest.raises(ValueError, match=r"`loss_weights='samples'` cannot weight them"):
         ElasticPipelineStrategy(packing=True, loss_weights="samples")
+
+
+# --- sequence slicing ---------------------------------------------------------------------------
+
+
+def _slicing(**kwargs):
+    return _pipeline(packing=Packer(max_tokens=8, slicing=True), **kwargs)
+
+
+def test_gpt_example_sliced_parity():
+    """Sequences of up to 20 tokens in slices of at most 8: each slice attends to the earlier slices'
+    keys and values, backwards last slice first with their key/value gradients (sliced 1F1B)."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    assert all(Packer(max_tokens=8, slicing=True).plan(b, 3).is_sliced for b in batches)
+    _parity(_gpt, batches, _slicing())
+
+
+def test_gpt_example_sliced_with_recompute_parity():
+    """Recomputed blocks reuse the stored keys and values of earlier slices and store nothing again."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20, seed=2)
+    _parity(_gpt, batches, _slicing(recompute="full"))
+
+
+def test_transformers_llama_sliced_parity():
+    """Rotary positions continue across slices from `position_ids`; transformers' loss takes the
+    slices' `shift_labels`."""
+    pytest.importorskip("transformers")
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20, seed=3)
+    _parity(lambda: LlamaOnBatch().double(), batches, _slicing(), atol=HF_ATOL)
+
+
+def test_slicing_refuses_a_model_that_drops_targets_at_slice_boundaries():
+    """The GPT example shifts `labels` itself unless given `shift_labels`: a model that ignores them
+    loses each slice's last target; the step's counted targets say so before any update."""
+
+    class IgnoresShiftLabels(GPT):
+        def training_step(self, batch, batch_idx):
+            return super().training_step({k: v for k, v in batch.items() if k != "shift_labels"}, batch_idx)
+
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    make = lambda: IgnoresShiftLabels(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=16).double()  # noqa: E731
+    with pytest.raises(Exception, match=r"the step's loss counted \d+ targets in the sliced microbatches, but the batch has \d+"):
+        fit(make, batches, _slicing(), devices=2, steps=STEPS)
+
+
+def test_slicing_refuses_positions_that_restart_per_slice():
+    """Every sequence longer than a slice, so no microbatch packs two: the sliced-vs-whole check refuses."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20, min_len=9)
+    with pytest.raises(Exception, match=r"Packing would change this model's result: sequence \d+, cut into \d slices"):
+        fit(lambda: ArangeGPT().double(), batches, _pipeline(packing=Packer(max_tokens=8, slicing=True), microbatches=3),
+            devices=2, steps=STEPS)
+
+
+def test_slicing_needs_1f1b():
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    with pytest.raises(Exception, match=r"schedule 'zbv' cannot run them. Use `schedule='1f1b'`"):
+        fit(_gpt, batches, _slicing(schedule="zbv"), devices=2, steps=STEPS)
