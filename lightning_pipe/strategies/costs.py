@@ -71,13 +71,16 @@ class StrategyCosts:
         """Per microbatch, the length of each of its samples, split as the strategy splits the batch.
 
         The samples of each microbatch are those of the strategy's microbatch plan for the batch
-        (``ElasticPipelineStrategy.split_batch``).
+        (``ElasticPipelineStrategy.split_batch``); with packing, the pieces each packed row holds (a
+        slice counts its own tokens; the attention over its context is not priced).
 
         Raises:
             ValueError: ``lengths_fn`` gives another number of lengths than the batch has samples.
         """
-        lengths = [int(n) for n in (lengths_fn or sequence_lengths)(batch)]
         plan = self._strategy.split_batch(batch).plan
+        if hasattr(plan, "pieces"):  # packed microbatches (runtime/packing.py): their pieces' lengths
+            return [[n for _, _, n in group] for group in plan.pieces]
+        lengths = [int(n) for n in (lengths_fn or sequence_lengths)(batch)]
         if len(lengths) != plan.batch_size:
             raise ValueError(f"`lengths_fn` returned {len(lengths)} lengths for a batch of {plan.batch_size} samples.")
         return [lengths[start:end] for start, end in plan.sample_ranges]
