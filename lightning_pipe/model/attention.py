@@ -211,12 +211,15 @@ def _lower_right_causal(queries: int, keys: int, device: torch.device) -> Tensor
 
 
 class SlicedAttention(TorchFunctionMode):
-    """Within this context, causal SDPA calls of one slice attend to the earlier slices' keys and values too.
+    """Within this context, causal SDPA calls of a slice attend to the earlier slices' keys and values too.
 
-    Entered around one real block call of slice ``index`` of sequence ``sample`` (``context`` tokens
-    before it). The block's ``c``-th SDPA call (no mask, causal) stores the slice's ``k, v`` in the
-    step's :class:`KeyValueStore` and attends with ``q`` over the earlier slices' stored keys and
-    values followed by its own, lower-right aligned. A recomputation (activation checkpointing) finds
+    Entered around one real block call of a row whose first piece is slice ``index`` of sequence
+    ``sample`` (``context`` tokens before it), optionally followed by whole sequences packed after it
+    (a hybrid chunk: the tail slice of a sequence plus short sequences; ``cu_seqlens`` of the row).
+    The block's ``c``-th SDPA call (no mask, causal) stores the slice's ``k, v`` in the step's
+    :class:`KeyValueStore` and attends with ``q`` over the earlier slices' stored keys and values
+    followed by the row's own: the slice's tokens see the context and their slice causally (lower-right
+    aligned), the packed sequences only themselves. A recomputation (activation checkpointing) finds
     its entry already stored and reuses the earlier slices' leaves without storing again.
 
     Args:
@@ -225,11 +228,15 @@ class SlicedAttention(TorchFunctionMode):
         index: which slice of it this is.
         context: tokens of the sequence before this slice.
         block: the block being called.
+        cu_seqlens: ``[0, slice length, ..., row length]``; None: the row is the slice alone.
     """
 
-    def __init__(self, store: KeyValueStore, sample: int, index: int, context: int, block: int) -> None:
+    def __init__(
+        self, store: KeyValueStore, sample: int, index: int, context: int, block: int, cu_seqlens: Tensor | None = None
+    ) -> None:
         super().__init__()
         self.store, self.sample, self.index, self.context, self.block = store, sample, index, context, block
+        self.cu_seqlens = cu_seqlens
         self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -241,18 +248,20 @@ class SlicedAttention(TorchFunctionMode):
         query, key, value = bound["query"], bound["key"], bound["value"]
         if query.device.type == "meta" or bound.get("attn_mask") is not None:
             return func(*args, **kwargs)
-        if not bound.get("is_causal", False):
+        if not bound.get("is_causal", False) and query.shape[-2] > 1:  # one query: causal or not is the same
             raise ValueError(
                 f"Block {self.block}: a slice of a sliced sequence calls `F.scaled_dot_product_attention` without "
                 "`is_causal=True`: only causal attention can be cut into slices. Turn `slicing` off for this model."
             )
+        rows = query.shape[-2]
+        own = rows if self.cu_seqlens is None or len(self.cu_seqlens) <= 2 else int(self.cu_seqlens[1])
         slots = self.store.entries.setdefault((self.sample, self.block, self.calls), {})
         self.calls += 1
         if self.index not in slots:  # first run (a recomputation finds it stored)
+            k, v = (key, value) if own == rows else (key[..., :own, :], value[..., :own, :])
             grad = torch.is_grad_enabled()
             slots[self.index] = (
-                key, value, key.detach().requires_grad_(grad and key.requires_grad),
-                value.detach().requires_grad_(grad and value.requires_grad),
+                k, v, k.detach().requires_grad_(grad and k.requires_grad), v.detach().requires_grad_(grad and v.requires_grad)
             )
         missing = [i for i in range(self.index) if i not in slots]
         if missing:
@@ -262,7 +271,14 @@ class SlicedAttention(TorchFunctionMode):
             )
         keys = torch.cat([slots[i][2] for i in range(self.index)] + [key], dim=-2)
         values = torch.cat([slots[i][3] for i in range(self.index)] + [value], dim=-2)
-        mask = _lower_right_causal(query.shape[-2], keys.shape[-2], query.device)
+        context = keys.shape[-2] - rows
+        if own == rows:
+            mask = _lower_right_causal(rows, keys.shape[-2], query.device)
+        else:  # the slice sees the context; the packed sequences after it only themselves
+            in_slice = torch.arange(rows, device=query.device) < own
+            mask = torch.cat(
+                [in_slice[:, None].expand(rows, context), block_diagonal_mask(self.cu_seqlens, True, query.device)], dim=1
+            )
         return _ORIGINAL_SDPA(
             query, keys, values, attn_mask=mask, dropout_p=float(bound.get("dropout_p", 0.0)), is_causal=False,
             scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa", False)),

@@ -258,3 +258,20 @@ def relative_std(values: Sequence[float]) -> float:
         return 0.0
     mean = sum(values) / len(values)
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean if mean else 0.0
+
+
+def chunk_pieces(
+    lengths: Sequence[int], time: LinearCost, max_tokens: int
+) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], tuple[int, ...]]:
+    """Algorithm 1 with the fewest slices whose token limit fits ``max_tokens``, as plain pieces.
+
+    Returns:
+        per chunk its pieces ``(sequence, start, length)``, and the chunks of each scheduled group
+        (what ``runtime.packing.Packer`` runs).
+    """
+    for num_slices in range(1, max(lengths) + 1):
+        plan = chunk_batch(lengths, num_slices, time)
+        if plan.token_limit <= max_tokens:
+            break
+    pieces = tuple(tuple((p.sequence, p.start, p.length) for p in chunk.pieces) for chunk in plan.chunks)
+    return pieces, plan.slices

@@ -64,6 +64,13 @@ class Packer:
             carries ``shift_labels`` (its targets, aligned with its positions), which transformers'
             loss uses as given: the model must honour it (checked: the counted targets of the step
             must equal the batch's). See docs/long_sequences.md.
+        chunk_cost: with ``slicing``, make the microbatches InfiniPipe's workload-balanced chunks
+            (Algorithm 1, ``planning/chunking.py``) under this cost of a chunk (a
+            ``planning.cost_model.LinearCost``: seconds as a function of tokens and of
+            ``sum((c + s)^2 - c^2)``; ``chunk_time_model(cost_model)`` gives it): the
+            longest sequence in the fewest slices of equal time whose first fits ``max_tokens``, longer
+            sequences cut by the same mesh, tails packed with short sequences (hybrid chunks). None:
+            slices of equal length, tails alone.
     """
 
     max_tokens: int | None = None
@@ -71,6 +78,7 @@ class Packer:
     ignore_index: int = -100
     attention_backend: str | None = None
     slicing: bool = False
+    chunk_cost: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -81,8 +89,12 @@ class Packer:
                 "`shift_labels=True` (slices get their targets as `shift_labels`)."
             )
 
-    def plan(self, batch: Any, num_microbatches: int) -> PackingPlan:
+    def plan(self, batch: Any, num_microbatches: int, chunker: Chunker | None = None) -> PackingPlan:
         """Plan the packed microbatches of ``batch`` (identical on every rank for the same batch).
+
+        ``chunker`` (with ``slicing``): given the sequence lengths, the pieces of each microbatch and
+        the microbatches of each scheduled group (the strategy passes Algorithm 1's when
+        ``chunk_cost`` is set; ``runtime`` does not import ``planning``).
 
         Raises:
             ValueError: the batch does not follow the convention (the message says what it holds and
@@ -90,7 +102,7 @@ class Packer:
         """
         lengths, per_token = _read_batch(batch)
         if self.slicing:
-            return _sliced_plan(self, lengths, per_token, batch)
+            return _sliced_plan(self, lengths, per_token, batch, chunker)
         if self.max_tokens is not None:
             too_long = [(i, n) for i, n in enumerate(lengths) if n > self.max_tokens]
             if too_long:
@@ -106,11 +118,24 @@ class Packer:
         return PackingPlan(len(lengths), tuple(lengths), pieces, tuple(per_token), self, (1,) * len(pieces))
 
 
-def _sliced_plan(packer: Packer, lengths: list[int], per_token: list[Any], batch: Mapping) -> PackingPlan:
+Chunker = Callable[[list[int]], tuple[tuple[tuple[tuple[int, int, int], ...], ...], tuple[int, ...]]]
+"""``lengths -> (pieces per microbatch, microbatches per scheduled group)``."""
+
+
+def _sliced_plan(
+    packer: Packer, lengths: list[int], per_token: list[Any], batch: Mapping, chunker: Chunker | None
+) -> PackingPlan:
     """Sequences longer than the budget in near-equal slices (longest first, consecutive microbatches),
-    then the others packed first-fit decreasing."""
+    then the others packed first-fit decreasing; or Algorithm 1's chunks with ``chunk_cost``."""
     budget = packer.max_tokens
     assert budget is not None
+    targets = None
+    if LABELS in batch:
+        labels = batch[LABELS]
+        targets = int(sum(int((labels[i, 1:n] != packer.ignore_index).sum()) for i, n in enumerate(lengths)))
+    if chunker is not None:
+        pieces, slices = chunker(lengths)
+        return PackingPlan(len(lengths), tuple(lengths), pieces, tuple(per_token), packer, slices, targets)
     long = sorted((i for i, n in enumerate(lengths) if n > budget), key=lambda i: (-lengths[i], i))
     pieces: list[tuple[tuple[int, int, int], ...]] = []
     slices: list[int] = []
@@ -123,10 +148,6 @@ def _sliced_plan(packer: Packer, lengths: list[int], per_token: list[Any], batch
     for group in pack_by_budget(short, budget):
         pieces.append(tuple((i, 0, lengths[i]) for i in group))
         slices.append(1)
-    targets = None
-    if LABELS in batch:
-        labels = batch[LABELS]
-        targets = int(sum(int((labels[i, 1:n] != packer.ignore_index).sum()) for i, n in enumerate(lengths)))
     return PackingPlan(len(lengths), tuple(lengths), tuple(pieces), tuple(per_token), packer, tuple(slices), targets)
 
 
@@ -204,12 +225,13 @@ class PackingPlan:
         return any(count > 1 for count in self.slices)
 
     def slice_of(self, microbatch: int) -> tuple[int, int, int] | None:
-        """``(sample, slice index, context)`` when ``microbatch`` is a slice of a sliced sequence."""
+        """``(sample, slice index, context)`` when ``microbatch`` starts with a slice of a sliced sequence
+        (alone, or its tail followed by packed whole sequences)."""
         group = self.pieces[microbatch]
-        if len(group) != 1 or group[0][2] == self.sequence_lengths[group[0][0]]:
+        sample, start, length = group[0]
+        if length == self.sequence_lengths[sample]:
             return None
-        sample, start, _ = group[0]
-        index = sum(1 for other in self.pieces[:microbatch] if len(other) == 1 and other[0][0] == sample)
+        index = sum(1 for other in self.pieces[:microbatch] if other[0][0] == sample)
         return sample, index, start
 
     @property
@@ -353,7 +375,7 @@ def packed_block_wrapper(
             def packed_forward(*a: Any, **k: Any) -> Any:
                 if sliced is not None:
                     sample, position, context = sliced
-                    mode = SlicedAttention(store, sample, position, context, index)
+                    mode = SlicedAttention(store, sample, position, context, index, cu)
                 else:
                     mode = PackedAttention(cu, backend=plan.packer.attention_backend)
                 with mode:
@@ -372,9 +394,15 @@ def packed_block_wrapper(
 
 
 def check_microbatch(plan: PackingPlan) -> int | None:
-    """The microbatch the first-batch check runs on: the one packing the most sequences (None when
-    no microbatch packs two, so that nothing about packing can be seen yet)."""
-    best = max(range(plan.num_microbatches), key=lambda mb: (plan.sizes[mb], -mb))
+    """The microbatch the first-batch check runs on: the one packing the most whole sequences (None
+    when no microbatch packs two, so that nothing about packing can be seen yet)."""
+    whole = [
+        mb for mb in range(plan.num_microbatches)
+        if all(n == plan.sequence_lengths[i] for i, _, n in plan.pieces[mb])  # slices: slicing_difference
+    ]
+    if not whole:
+        return None
+    best = max(whole, key=lambda mb: (plan.sizes[mb], -mb))
     return best if plan.sizes[best] >= 2 else None
 
 
@@ -461,7 +489,8 @@ def slicing_difference(
         parts = [outputs[index] for outputs in sliced if index < len(outputs)]
         if whole.dim() < 2 or len(parts) != count or any(p.dim() < 2 or p.shape[0] != 1 for p in parts):
             continue
-        got = torch.cat([p[0] for p in parts]).double()
+        own = [plan.pieces[mb][0][2] for mb in microbatches]  # the slice is each row's first piece
+        got = torch.cat([p[0, :n_own] for p, n_own in zip(parts, own)]).double()
         if got.shape[0] != n:
             continue
         want = whole[0, :n].double()

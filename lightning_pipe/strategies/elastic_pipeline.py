@@ -8,6 +8,7 @@ tensors, collectives) and ``schedules/`` (the program). See docs/architecture.md
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -46,6 +47,7 @@ from lightning_pipe.runtime import PipelineExecutor, PointToPoint, RankLayout, S
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
+from lightning_pipe.planning.chunking import chunk_pieces
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.loss_weights import (
     DeferredNormalization,
@@ -625,7 +627,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
             if seen is batch:
                 return split
         if self.packer is not None:
-            plan = self.packer.plan(batch, self.num_microbatches)
+            chunker = None
+            if self.packer.slicing and self.packer.chunk_cost is not None:  # Algorithm 1 (planning/chunking.py)
+                chunker = functools.partial(chunk_pieces, time=self.packer.chunk_cost, max_tokens=self.packer.max_tokens)
+            plan = self.packer.plan(batch, self.num_microbatches, chunker)
         else:
             plan = plan_microbatches(batch, self.num_microbatches, 0 if self._batch_dim is None else self._batch_dim)
         split = SplitBatch(plan, plan.split(batch))

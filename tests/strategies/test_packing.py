@@ -18,6 +18,8 @@ from torch import nn
 
 from examples.gpt.model import GPT
 from lightning_pipe import ElasticPipelineStrategy
+from lightning_pipe.planning.chunking import chunk_pieces
+from lightning_pipe.planning.cost_model import LinearCost
 from lightning_pipe.runtime.packing import Packer
 from tests.helpers.packed_batches import padded_lm_batches
 from tests.helpers.training import SEED, START_METHOD, assert_same_parameters, fit, reference_batches
@@ -198,3 +200,29 @@ def test_packing_with_elastic_repartition():
 
     batches = padded_lm_batches(STEPS, batch_size=8, max_len=16, seed=9)
     _parity(_gpt, batches, _pipeline(microbatches=4), callbacks=[ElasticRepartition(trigger="always")])
+
+
+# --- workload-balanced chunks (InfiniPipe Algorithm 1) in the runtime -----------------------------
+
+CHUNK_COST = LinearCost(per_token=1.0, per_squared_length=0.05)  # attention's quadratic term matters at these lengths
+
+
+def _chunks(**kwargs):
+    return _pipeline(packing=Packer(max_tokens=12, slicing=True, chunk_cost=CHUNK_COST), **kwargs)
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_gpt_example_workload_balanced_chunks_parity(recompute):
+    """Slices of equal time (the first longest), tails packed with short sequences into hybrid chunks:
+    the tail's tokens see its earlier slices, the packed sequences only themselves."""
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    plans = [chunk_pieces(b["attention_mask"].sum(1).tolist(), CHUNK_COST, 12) for b in batches]
+    hybrid = [g for pieces, _ in plans for g in pieces if len(g) > 1 and g[0][1] > 0]
+    assert hybrid, "the batches should give hybrid chunks"
+    _parity(_gpt, batches, _chunks(recompute=recompute))
+
+
+def test_transformers_llama_workload_balanced_chunks_parity():
+    pytest.importorskip("transformers")
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    _parity(lambda: LlamaOnBatch().double(), batches, _chunks(), atol=HF_ATOL)
