@@ -226,3 +226,31 @@ def test_transformers_llama_workload_balanced_chunks_parity():
     pytest.importorskip("transformers")
     batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
     _parity(lambda: LlamaOnBatch().double(), batches, _chunks(), atol=HF_ATOL)
+
+
+def test_sliced_parity_on_four_stages():
+    """Sliced 1F1B with a deeper pipeline: three extra warm-up forwards per rank, slices of three sequences."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=4, start_method=START_METHOD, packing=Packer(max_tokens=8, slicing=True)
+    )
+    pipelined = fit(_gpt, batches, strategy, devices=4, steps=STEPS)
+    reference = fit(_gpt, reference_batches(batches, 1), steps=STEPS)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+
+
+@pytest.mark.parametrize("packing", [True, Packer(max_tokens=8, slicing=True)], ids=["packing", "slicing"])
+def test_validation_logs_the_token_mean_of_one_device(packing):
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.training import BatchDataset
+
+    batches = padded_lm_batches(2, batch_size=6, max_len=20, seed=4)
+    L.seed_everything(SEED, verbose=False)
+    model = _gpt()
+    options = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, precision="64-true")
+    pipelined = L.Trainer(devices=2, strategy=_pipeline(packing=packing), **options).validate(
+        model, DataLoader(BatchDataset(batches), batch_size=None), verbose=False
+    )
+    single = L.Trainer(devices=1, **options).validate(model, DataLoader(BatchDataset(batches), batch_size=None), verbose=False)
+    assert pipelined[0]["val_loss"] == pytest.approx(single[0]["val_loss"], abs=1e-10, rel=0)
