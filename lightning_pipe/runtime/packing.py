@@ -88,6 +88,9 @@ class Packer:
                 "`Packer(slicing=True)` cuts sequences longer than `max_tokens`: give `max_tokens`, and keep "
                 "`shift_labels=True` (slices get their targets as `shift_labels`)."
             )
+        if self.chunk_cost is not None and not self.slicing:
+            raise ValueError("`Packer(chunk_cost=...)` makes InfiniPipe's chunks of packed and sliced sequences: "
+                             "it needs `slicing=True` (and `max_tokens`).")
 
     def plan(self, batch: Any, num_microbatches: int, chunker: Chunker | None = None) -> PackingPlan:
         """Plan the packed microbatches of ``batch`` (identical on every rank for the same batch).
@@ -108,8 +111,8 @@ class Packer:
             if too_long:
                 raise ValueError(
                     f"`Packer(max_tokens={self.max_tokens})`: sequences {too_long[:5]} (sample, tokens) are longer than "
-                    "one microbatch may hold, and sequence slicing is not available: raise `max_tokens` to at least "
-                    f"{max(n for _, n in too_long)} or truncate the sequences."
+                    f"one microbatch may hold: cut them into slices (`Packer(max_tokens={self.max_tokens}, slicing=True)`, "
+                    f"schedule '1f1b'), raise `max_tokens` to at least {max(n for _, n in too_long)}, or truncate them."
                 )
             groups = pack_by_budget(lengths, self.max_tokens)
         else:

@@ -656,8 +656,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         return self.program if train else self.eval_program
 
     def _check_packing(self, step_name: str, batch: Any, plan: PackingPlan, rest: tuple) -> None:
-        """On the first batch that packs two sequences: run the first stage packed and unpacked (on its
-        rank), agree on the verdict in the pipeline group, and refuse a model packing would change."""
+        """On the first batch that packs two sequences (and the first that slices one): run the first
+        stage packed and unpacked, sliced and whole (on its rank), agree on the verdict in the pipeline
+        group, and refuse a model packing or slicing would change."""
         mb = check_microbatch(plan) if not self._packing_checked else None
         sliced = plan.is_sliced and not self._slicing_checked
         if mb is None and not sliced:

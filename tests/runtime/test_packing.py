@@ -68,7 +68,7 @@ def test_labels_already_aligned_are_packed_unchanged():
             {"input_ids": torch.ones(2, 4, dtype=torch.long), "label": torch.tensor([0, 1])},
             Packer(), r"batch\['label'\] has shape \(2,\), a per-sample value",
         ),
-        ({"input_ids": torch.ones(2, 7, dtype=torch.long)}, Packer(max_tokens=5), r"\(0, 7\).*raise `max_tokens` to at least 7"),
+        ({"input_ids": torch.ones(2, 7, dtype=torch.long)}, Packer(max_tokens=5), r"\(0, 7\).*slicing=True.*raise `max_tokens` to at least 7"),
     ],
     ids=["not-a-dict", "left-padding", "per-sample-tensor", "longer-than-budget"],
 )
