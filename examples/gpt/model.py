@@ -6,6 +6,9 @@ unchanged. The layout follows nanoGPT: token and position embeddings, a stack of
 transformer blocks in `self.blocks`, a final LayerNorm and a linear head.
 
 Batches are `LongTensor[B, T + 1]`: the model reads tokens `[:, :-1]` and predicts `[:, 1:]`.
+Transformers-style dict batches work too (`input_ids`, `labels` with -100 where nothing is
+predicted, optional `position_ids`), which is what `ElasticPipelineStrategy(packing=True)` packs:
+positions come from the batch, so several sequences can share one row.
 """
 
 import math
@@ -155,11 +158,13 @@ class GPT(L.LightningModule):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Computes next-token logits.
 
         Args:
             idx: Token ids `[B, T]` with `T <= block_size`.
+            position_ids: Position of each token `[B, T]` (restarting per sequence when several
+                sequences are packed in a row); None: `0 .. T-1`.
 
         Returns:
             Logits `[B, T, vocab_size]`.
@@ -167,16 +172,23 @@ class GPT(L.LightningModule):
         T = idx.size(1)  # idx: [B, T]
         if T > self.hparams.block_size:
             raise ValueError(f"Sequence length {T} exceeds `block_size` ({self.hparams.block_size}).")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # [T]
+        pos = torch.arange(T, dtype=torch.long, device=idx.device) if position_ids is None else position_ids  # [T] or [B, T]
         x = self.drop(self.wte(idx) + self.wpe(pos))  # [B, T, C]
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
         return self.lm_head(x)  # [B, T, V]
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        x, y = batch[:, :-1], batch[:, 1:]  # [B, T] each
-        logits = self(x)  # [B, T, V]
+    def _loss(self, batch: torch.Tensor | dict) -> torch.Tensor:
+        if isinstance(batch, dict):  # input_ids [B, T], labels [B, T] (the model shifts them), position_ids
+            logits = self(batch["input_ids"], batch.get("position_ids"))  # [B, T, V]
+            if batch.get("shift_labels") is not None:  # each position's own target, as transformers takes it
+                y = batch["shift_labels"]
+            else:
+                logits, y = logits[:, :-1], batch["labels"][:, 1:]
+        else:
+            x, y = batch[:, :-1], batch[:, 1:]  # [B, T] each
+            logits = self(x)  # [B, T, V]
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

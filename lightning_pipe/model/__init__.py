@@ -1,5 +1,6 @@
 """Understanding the user's module: its blocks and units, and running stages of its own steps."""
 
+from lightning_pipe.model.attention import PackedAttention, select_attention_backend, varlen_attention
 from lightning_pipe.model.blocks import BlockStack, find_blocks
 from lightning_pipe.model.observation import check_observation, layout_from_observation
 from lightning_pipe.model.placeholders import PlaceholderMode
@@ -11,6 +12,7 @@ from lightning_pipe.model.units import UnitLayout, analyze_units, real_parameter
 __all__ = [
     "BlockStack",
     "LogCall",
+    "PackedAttention",
     "PlaceholderMode",
     "StageResult",
     "StageRunner",
@@ -24,5 +26,7 @@ __all__ = [
     "move_real_tensors",
     "owned_units",
     "real_parameter_bytes",
+    "select_attention_backend",
     "shard_module",
+    "varlen_attention",
 ]

@@ -6,6 +6,7 @@ from lightning_pipe.runtime.groups import ProcessGroups, RankLayout, create_proc
 from lightning_pipe.runtime.loss_weights import LossWeights
 from lightning_pipe.runtime.microbatch import BatchDim, MicrobatchPlan, SplitBatch, plan_microbatches, split_batch
 from lightning_pipe.runtime.p2p import PointToPoint
+from lightning_pipe.runtime.packing import Packer, PackingPlan
 
 # Public: the executor and the process-group layout the strategy builds on; the errors a rank raises
 # when a peer is gone (to catch them).
@@ -14,6 +15,8 @@ __all__ = [
     "BatchDim",
     "LossWeights",
     "MicrobatchPlan",
+    "Packer",
+    "PackingPlan",
     "CollectiveFailure",
     "PeerFailure",
     "PipelineExecutor",

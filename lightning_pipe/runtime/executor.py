@@ -50,6 +50,9 @@ class StepWork:
         describe_shapes: microbatches have their own lengths: activations travel with their shapes,
             and stages learn the shapes of blocks they do not run instead of probing each new
             length (``model/shape_rules.py``). Every rank of the pipeline must pass the same.
+        extra_roots: given (stage, microbatch), more tensors its backward differentiates and their
+            gradients (a slice's keys and values with what later slices left them,
+            ``model/attention.KeyValueStore``); None: none. Full backward (``B``) only.
     """
 
     step_name: str
@@ -59,6 +62,7 @@ class StepWork:
     count_losses: bool = False
     loss_weight: Callable[[int, LossRecord], Any] | None = None
     describe_shapes: bool = False
+    extra_roots: Callable[[int, int], tuple[list[Tensor], list[Tensor]]] | None = None
 
 
 @dataclass
@@ -271,6 +275,12 @@ class PipelineExecutor:
     def _backward(self, stage: int, mb: int, full: bool) -> None:
         slot = self._slots[(stage, mb)]
         outputs, grads = self._output_gradients(stage, mb, slot)
+        if self._work.extra_roots is not None:
+            more, more_grads = self._work.extra_roots(stage, mb)
+            if more and not full:
+                raise RuntimeError(f"Rank {self.pipeline_rank}: stage {stage} microbatch {mb} has key/value gradients "
+                                   "to apply, which a split backward (I/W) does not support.")
+            outputs, grads = outputs + more, grads + more_grads
         inputs = self._float_inputs(slot)
         if full:
             if outputs:

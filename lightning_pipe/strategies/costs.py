@@ -76,13 +76,16 @@ class StrategyCosts:
         """Per microbatch, the length of each of its samples, split as the strategy splits the batch.
 
         The samples of each microbatch are those of the strategy's microbatch plan for the batch
-        (``ElasticPipelineStrategy.split_batch``).
+        (``ElasticPipelineStrategy.split_batch``); with packing, the pieces each packed row holds (a
+        slice counts its own tokens; the attention over its context is not priced).
 
         Raises:
             ValueError: ``lengths_fn`` gives another number of lengths than the batch has samples.
         """
         split = self.context.split_batch(batch)
         plan = split.plan
+        if hasattr(plan, "pieces"):  # packed microbatches (runtime/packing.py): their pieces' lengths
+            return [[n for _, _, n in group] for group in plan.pieces]
         if lengths_fn is None:  # the length each microbatch runs at (its own when padding is cut)
             return [[int(n) for n in sequence_lengths(mb)] for mb in split.microbatches]
         lengths = [int(n) for n in lengths_fn(batch)]

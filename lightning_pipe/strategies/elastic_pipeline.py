@@ -8,6 +8,7 @@ tensors, collectives) and ``schedules/`` (the program). See docs/architecture.md
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -44,6 +45,7 @@ from lightning_pipe.runtime import PipelineExecutor, PointToPoint, ProcessGroups
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
+from lightning_pipe.planning.chunking import chunk_pieces
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.loss_weights import (
     DeferredNormalization,
@@ -55,6 +57,18 @@ from lightning_pipe.runtime.loss_weights import (
 )
 from lightning_pipe.runtime.microbatch import BatchDim, MicrobatchPlan, SplitBatch, plan_microbatches, tensor_shapes
 from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
+from lightning_pipe.runtime.packing import (
+    REFUSAL,
+    Packer,
+    PackingPlan,
+    check_microbatch,
+    packed_block_wrapper,
+    packing_difference,
+    quiet_forward,
+    slicing_difference,
+)
+from lightning_pipe.model.attention import KeyValueStore
+from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
 from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
 from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
@@ -146,6 +160,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         async_save: write sharded checkpoints on a background thread (after a copy to host memory) so
             training continues while shards are written; the next save and the end of training wait
             for it. Only with ``save_distributed_checkpoint=True``.
+        packing: pack each batch's sequences into microbatches without padding, attention restricted
+            to each sequence and positions restarting per sequence (transformers-style dict batches;
+            ``runtime/packing.py``). True: ``Packer()`` (``num_microbatches`` bins of near-equal
+            tokens); a :class:`~lightning_pipe.runtime.packing.Packer` for a token budget. The first
+            batch that packs two sequences is checked (first stage, packed against unpacked) and a
+            model whose result packing would change is refused. Needs a token-averaged loss.
     """
 
     strategy_name = "elastic_pipe"
@@ -173,9 +193,20 @@ class ElasticPipelineStrategy(ParallelStrategy):
         group_by_length: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
+        packing: bool | Packer = False,
     ) -> None:
         super().__init__()
         check_loss_weights(loss_weights)
+        self.packer: Packer | None = Packer() if packing is True else (packing or None)
+        if self.packer is not None and not isinstance(self.packer, Packer):
+            raise TypeError(f"`packing` must be a bool or a `Packer`, got {type(packing).__name__}.")
+        if self.packer is not None and loss_weights == "samples":
+            raise ValueError(
+                "`packing` puts several sequences in one microbatch row, so `loss_weights='samples'` cannot weight "
+                "them: use `loss_weights='auto'` (counted tokens) or turn `packing` off."
+            )
+        self._packing_checked = False  # a microbatch packing two sequences was checked
+        self._slicing_checked = False  # a sliced sequence was checked
         if ranks_per_device < 1:
             raise ValueError(f"`ranks_per_device` must be at least 1, got {ranks_per_device}.")
         if ranks_per_device > 1 and process_group_backend == "nccl":
@@ -225,10 +256,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._group_by_length = group_by_length
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._shapes_vary = False  # see _lengths_vary
-        self._last_shapes: list[tuple[int, ...]] | None = None
+        self._last_shapes: list[list[tuple[int, ...]]] | None = None
         self._warned_sample_mixing = False
         self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
-        self._short_programs: dict[int, Program] = {}
+        self._short_programs: dict[Any, Program] = {}
         if async_save and not save_distributed_checkpoint:
             raise ValueError(
                 "`async_save=True` writes sharded checkpoints on a background thread; it needs "
@@ -657,6 +688,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         for seen, split in self._splits:
             if seen is batch:
                 return split
+        if self.packer is not None:
+            chunker = None
+            if self.packer.slicing and self.packer.chunk_cost is not None:  # Algorithm 1 (planning/chunking.py)
+                chunker = functools.partial(chunk_pieces, time=self.packer.chunk_cost, max_tokens=self.packer.max_tokens)
+            plan = self.packer.plan(batch, self.num_microbatches, chunker)
+            return self._keep_split(batch, SplitBatch(plan, plan.split(batch)))
         if train is None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             train = bool(trainer is not None and trainer.training)
@@ -711,6 +748,67 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return program if train else forward_only(program)
         return self.program if train else self.eval_program
 
+    def _check_packing(self, step_name: str, batch: Any, plan: PackingPlan, rest: tuple) -> None:
+        """On the first batch that packs two sequences (and the first that slices one): run the first
+        stage packed and unpacked, sliced and whole (on its rank), agree on the verdict in the pipeline
+        group, and refuse a model packing or slicing would change."""
+        mb = check_microbatch(plan) if not self._packing_checked else None
+        sliced = plan.is_sliced and not self._slicing_checked
+        if mb is None and not sliced:
+            return
+        first_rank = self.layout.pipeline_ranks()[self.program.rank_of(0)]
+        verdict = None
+        if self.global_rank == first_rank:
+            span = self.spans[0]
+
+            def run_stage(microbatch: Any, wrapper: Any) -> list[Tensor]:
+                result = self.runner.run(step_name, (microbatch, *rest), span, wrap_block=wrapper)
+                return [t for t in result.outputs if isinstance(t, Tensor)]
+
+            try:
+                with quiet_forward(self.lightning_module), metrics_inert(self.lightning_module):
+                    verdict = packing_difference(run_stage, batch, plan, mb) if mb is not None else None
+                    if verdict is None and sliced:
+                        verdict = slicing_difference(run_stage, batch, plan)
+            except Exception as error:  # the user's step on a packed batch: report it as the refusal
+                verdict = f"`{step_name}` failed on a packed microbatch ({type(error).__name__}: {error})"
+        if self.pipeline_parallel_size > 1:
+            verdict = collectives.broadcast_object(
+                verdict, first_rank, self.groups.pipeline,
+                operation=f"the broadcast of the packing check from rank {first_rank} (the first stage)",
+            )
+        if verdict is not None:
+            raise ValueError(REFUSAL.format(what=verdict))
+        self._packing_checked = self._packing_checked or mb is not None
+        self._slicing_checked = self._slicing_checked or sliced
+
+    def _sliced_program(self, plan: PackingPlan, train: bool) -> Program:
+        """Sliced 1F1B for a plan that cuts sequences into slices (backward last slice first)."""
+        if self.schedule.name != "1f1b":
+            raise ValueError(
+                f"`Packer(slicing=True)` cut sequences into slices, which run as sliced 1F1B (backward last slice "
+                f"first); schedule {self.schedule.name!r} cannot run them. Use `schedule='1f1b'`, or a larger "
+                "`max_tokens` so that no sequence is sliced."
+            )
+        program = self._short_programs.get(("sliced", plan.slices))
+        if program is None:
+            program = sliced_1f1b(self.pipeline_parallel_size, plan.num_microbatches, plan.slices)
+            validate(program)
+            self._short_programs[("sliced", plan.slices)] = program
+        return program if train else forward_only(program)
+
+    def _slice_roots(self, plan: PackingPlan, store: KeyValueStore) -> Any:
+        """The executor's ``extra_roots``: a slice's keys and values with what later slices left them."""
+
+        def roots(stage: int, mb: int) -> tuple[list[Tensor], list[Tensor]]:
+            sliced = plan.slice_of(mb)
+            if sliced is None:
+                return [], []
+            span = self.spans[stage]
+            return store.pop_roots(sliced[0], sliced[1], range(span.first_block, span.end_block))
+
+        return roots
+
     def _check_sample_mixing(self, module: Any, num_microbatches: int, sizes: str = "") -> None:
         """Refuse, or warn once about, batch normalization in training mode with several microbatches.
 
@@ -737,10 +835,16 @@ class ElasticPipelineStrategy(ParallelStrategy):
         split = self.split_batch(batch, train)
         if step_name not in self._observed:
             self._observe(step_name, (split.microbatches[0], *rest))
-        if split.plan.padding is not None and split.plan.padding.layout not in self.trim_verdicts:
+        if getattr(split.plan, "padding", None) is not None and split.plan.padding.layout not in self.trim_verdicts:
             split = self._check_trimming(step_name, batch, rest, split)
         plan, microbatches = split.plan, split.microbatches
-        program = self._program_for(plan.num_microbatches, train)
+        if isinstance(plan, PackingPlan) and not (self._packing_checked and (self._slicing_checked or not plan.is_sliced)):
+            self._check_packing(step_name, batch, plan, rest)
+        store = None
+        if isinstance(plan, PackingPlan) and plan.is_sliced:
+            program, store = self._sliced_program(plan, train), KeyValueStore()
+        else:
+            program = self._program_for(plan.num_microbatches, train)
         steps = [(mb, *rest) for mb in microbatches]
         deferred = None
         if train:
@@ -749,6 +853,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 self._check_sample_mixing(self.lightning_module, plan.num_microbatches, sizes)
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             block_wrapper = self.memory.before_step(batch, rest)
+            if isinstance(plan, PackingPlan):
+                block_wrapper = packed_block_wrapper(plan, block_wrapper, store)
             # 16-mixed with optimizer offload: each microbatch's loss carries the scaler's loss scale
             scale = self.memory.step_loss_scale or 1.0
             weights = upfront_weights(self.loss_weights, microbatches, plan.sizes)
@@ -768,7 +874,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 )
         else:
             weights = list(plan.weights)
-            work = StepWork(step_name, steps, count_losses=True)
+            packed = packed_block_wrapper(plan, None, store) if isinstance(plan, PackingPlan) else None
+            work = StepWork(step_name, steps, block_wrapper=packed, count_losses=True)
+        if store is not None:
+            work.extra_roots = self._slice_roots(plan, store)
         work.describe_shapes = self._lengths_vary(plan, microbatches)
         if self.metric_states and self._runs_last_stage():
             self.metric_states.begin()
@@ -781,8 +890,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
         """Whether activations travel with their shapes: from the first step whose microbatches are
         cut to their own lengths, or whose shapes differ from the step before (then for good: the
         data's lengths vary). Every pipeline rank sees the same batches, so all decide alike."""
-        shapes = tensor_shapes(microbatches[0])
-        if any(w is not None for w in plan.windows) or (self._last_shapes is not None and shapes != self._last_shapes):
+        shapes = [tensor_shapes(mb) for mb in microbatches]
+        if any(w is not None for w in getattr(plan, "windows", ())) or len({str(s) for s in shapes}) > 1 or (
+            self._last_shapes is not None and shapes[0] != self._last_shapes[0]
+        ):
             self._shapes_vary = True
         self._last_shapes = shapes
         return self._shapes_vary
@@ -802,6 +913,22 @@ class ElasticPipelineStrategy(ParallelStrategy):
         records = [outcome.loss_records[mb] for mb in mbs]
         raw = [outcome.loss_weights[mb] for mb in mbs] if deferred is not None else weights
         decided = decide(records, plan.sizes, raw, deferred=deferred is not None)
+        if isinstance(plan, PackingPlan) and plan.targets is not None and decided.by_tokens:
+            counted = sum(float(r.count_of(r.returned)) for r in records)
+            if counted != plan.targets:
+                raise ValueError(
+                    f"`Packer(slicing=True)`: the step's loss counted {counted:g} targets in the sliced microbatches, but "
+                    f"the batch has {plan.targets} (labels shifted inside the model): the model did not use the "
+                    "microbatches' `shift_labels` (each token's target, across slice boundaries). Pass the batch on as "
+                    "transformers takes it (`self.model(**batch)`), or use `shift_labels` in the loss, or turn slicing off."
+                )
+        if isinstance(plan, PackingPlan) and not decided.by_tokens:
+            raise ValueError(
+                "`packing` puts several sequences in one microbatch row, so the loss must be a mean over counted "
+                f"tokens (cross-entropy or NLL with `ignore_index`); this step's loss is "
+                f"{records[0].describe(records[0].returned) if records[0].returned is not None else 'not traced to one'}. "
+                "Return the token mean, pass `loss_weights=` (a callable or 'sum'), or turn `packing` off."
+            )
         return decided.weights, decided.normalizer
 
     def _share_outcome(

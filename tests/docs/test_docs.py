@@ -22,6 +22,8 @@ REGENERATED = {
         "--stages", "4", "--plot", "{out}",
     ],
     "docs/img/memory_budget.png": ["benchmarks/simulated_memory.py", "--quick", "--plot", "{out}"],
+    "docs/img/long_chunks.png": ["benchmarks/simulated_long.py", "--quick", "--plot-chunks", "{out}"],
+    "docs/img/long_sliced_timeline.png": ["benchmarks/simulated_long.py", "--quick", "--plot-timeline", "{out}"],
 }
 DRAWN_ELSEWHERE = {"docs/img/measured_1f1b_step.png"}
 

@@ -9,7 +9,8 @@ from .gpipe import gpipe
 from .interleaved_1f1b import interleaved_1f1b
 from .looped_bfs import looped_bfs
 from .one_f_one_b import one_f_one_b
+from .sliced_1f1b import sliced_1f1b
 from .zb_h1 import zb_h1
 from .zbv import zbv
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"]
+__all__ = ["gpipe", "one_f_one_b", "sliced_1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"]

@@ -1,0 +1,256 @@
+"""Packing trains exactly: a batch's sequences packed into microbatches without padding, attention within
+each sequence, positions restarting, equals one device on the padded batch (float64).
+
+The project's GPT example (``F.scaled_dot_product_attention(is_causal=True)``: restricted per sequence
+by ``PackedAttention``) and transformers' Llama (which builds its per-sequence mask from the packed
+``position_ids``), with every schedule family, a token budget that changes the number of
+microbatches from batch to batch, recompute, and accumulation. Models packing would change
+(absolute positions from ``arange``) are refused on the first batch with what to change.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples.gpt.model import GPT
+from lightning_pipe import ElasticPipelineStrategy
+from lightning_pipe.planning.chunking import chunk_pieces
+from lightning_pipe.planning.cost_model import LinearCost
+from lightning_pipe.runtime.packing import Packer
+from tests.helpers.packed_batches import padded_lm_batches
+from tests.helpers.training import SEED, START_METHOD, assert_same_parameters, fit, reference_batches
+
+STEPS = 3
+HF_ATOL = 1e-7  # transformers' loss is float32 even in a float64 model (see test_real_models.py)
+
+
+def _gpt():
+    return GPT(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=16).double()
+
+
+def _pipeline(schedule="1f1b", microbatches=3, packing=True, **kwargs):
+    return ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=microbatches, schedule=schedule, start_method=START_METHOD,
+        packing=packing, **kwargs,
+    )
+
+
+def _parity(make, batches, strategy, atol=1e-10, steps=STEPS, **kwargs):
+    pipelined = fit(make, batches, strategy, devices=2, steps=steps, **kwargs)
+    kwargs.pop("callbacks", None)  # planners; accumulation applies to the reference too
+    reference = fit(make, reference_batches(batches, 1), steps=steps, **kwargs)
+    assert_same_parameters(pipelined, reference, atol=atol)
+    L.seed_everything(SEED, verbose=False)
+    initial = make()
+    assert any(not torch.equal(a, b) for a, b in zip(reference.parameters(), initial.parameters()))  # it did train
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
+def test_gpt_example_packed_parity(schedule):
+    """Four microbatches of near-equal tokens from eight sequences of 2 to 16 tokens."""
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=16)
+    _parity(_gpt, batches, _pipeline(schedule, microbatches=4))
+
+
+def test_token_budget_changes_the_microbatches_per_batch():
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=16, seed=5)
+    packer = Packer(max_tokens=24)
+    counts = [packer.plan(b, 4).num_microbatches for b in batches]
+    assert len(set(counts)) > 1, counts  # the schedule runs a different number of microbatches per batch
+    _parity(_gpt, batches, _pipeline("zb_h1", packing=packer))
+
+
+def test_packing_with_recompute_and_accumulation():
+    """Recomputed blocks attend per sequence again in backward; gradients of two batches accumulate."""
+    batches = padded_lm_batches(2 * STEPS, batch_size=6, max_len=12, seed=7)
+    _parity(_gpt, batches, _pipeline(recompute="full"), steps=STEPS, accumulate_grad_batches=2)
+
+
+class LlamaOnBatch(L.LightningModule):
+    """transformers' Llama trained as ``self.model(**batch).loss``, the usual way with dict batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.helpers.hf_models import build_causal_lm
+
+        self.model = build_causal_lm("llama", layers=4)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_transformers_llama_packed_parity(schedule):
+    pytest.importorskip("transformers")
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=16, seed=3)
+    _parity(lambda: LlamaOnBatch().double(), batches, _pipeline(schedule, microbatches=4), atol=HF_ATOL)
+
+
+class ArangeGPT(L.LightningModule):
+    """Positions from ``arange`` inside ``forward``: packing would give the second sequence of a row
+    the positions after the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(64, 16), nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.head = nn.Linear(16, 64)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, 64), batch["labels"][:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _gpt2():
+    pytest.importorskip("transformers")
+    from tests.helpers.hf_models import HFCausalLM
+
+    return HFCausalLM("gpt2", layers=4).double()  # passes no position_ids: GPT-2 counts positions along the row
+
+
+@pytest.mark.parametrize("make", [lambda: ArangeGPT().double(), _gpt2], ids=["arange-positions", "gpt2-without-position-ids"])
+def test_models_packing_would_change_are_refused_on_the_first_batch(make):
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=12)
+    with pytest.raises(Exception, match=r"Packing would change this model's result: sequence \d+ \(packed at position 1.*"
+                       r"differs from its unpacked output.*`position_ids`.*not `torch.arange\(T\)`"):
+        fit(make, batches, _pipeline(), devices=2, steps=STEPS)
+
+
+def test_sample_weights_are_refused_with_packing():
+    with pytest.raises(ValueError, match=r"`loss_weights='samples'` cannot weight them"):
+        ElasticPipelineStrategy(packing=True, loss_weights="samples")
+
+
+# --- sequence slicing ---------------------------------------------------------------------------
+
+
+def _slicing(**kwargs):
+    return _pipeline(packing=Packer(max_tokens=8, slicing=True), **kwargs)
+
+
+def test_gpt_example_sliced_parity():
+    """Sequences of up to 20 tokens in slices of at most 8: each slice attends to the earlier slices'
+    keys and values, backwards last slice first with their key/value gradients (sliced 1F1B)."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    assert all(Packer(max_tokens=8, slicing=True).plan(b, 3).is_sliced for b in batches)
+    _parity(_gpt, batches, _slicing())
+
+
+def test_gpt_example_sliced_with_recompute_parity():
+    """Recomputed blocks reuse the stored keys and values of earlier slices and store nothing again."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20, seed=2)
+    _parity(_gpt, batches, _slicing(recompute="full"))
+
+
+def test_transformers_llama_sliced_parity():
+    """Rotary positions continue across slices from `position_ids`; transformers' loss takes the
+    slices' `shift_labels`."""
+    pytest.importorskip("transformers")
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20, seed=3)
+    _parity(lambda: LlamaOnBatch().double(), batches, _slicing(), atol=HF_ATOL)
+
+
+def test_slicing_refuses_a_model_that_drops_targets_at_slice_boundaries():
+    """The GPT example shifts `labels` itself unless given `shift_labels`: a model that ignores them
+    loses each slice's last target; the step's counted targets say so before any update."""
+
+    class IgnoresShiftLabels(GPT):
+        def training_step(self, batch, batch_idx):
+            return super().training_step({k: v for k, v in batch.items() if k != "shift_labels"}, batch_idx)
+
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    make = lambda: IgnoresShiftLabels(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=16).double()  # noqa: E731
+    with pytest.raises(Exception, match=r"the step's loss counted \d+ targets in the sliced microbatches, but the batch has \d+"):
+        fit(make, batches, _slicing(), devices=2, steps=STEPS)
+
+
+def test_slicing_refuses_positions_that_restart_per_slice():
+    """Every sequence longer than a slice, so no microbatch packs two: the sliced-vs-whole check refuses."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20, min_len=9)
+    with pytest.raises(Exception, match=r"Packing would change this model's result: sequence \d+, cut into \d slices"):
+        fit(lambda: ArangeGPT().double(), batches, _pipeline(packing=Packer(max_tokens=8, slicing=True), microbatches=3),
+            devices=2, steps=STEPS)
+
+
+def test_slicing_needs_1f1b():
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    with pytest.raises(Exception, match=r"schedule 'zbv' cannot run them. Use `schedule='1f1b'`"):
+        fit(_gpt, batches, _slicing(schedule="zbv"), devices=2, steps=STEPS)
+
+
+def test_packing_with_elastic_repartition():
+    """The planner prices packed rows by their sequences' lengths (strategy costs read the packing plan)."""
+    from lightning_pipe.callbacks import ElasticRepartition
+
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=16, seed=9)
+    _parity(_gpt, batches, _pipeline(microbatches=4), callbacks=[ElasticRepartition(trigger="always")])
+
+
+# --- workload-balanced chunks (InfiniPipe Algorithm 1) in the runtime -----------------------------
+
+CHUNK_COST = LinearCost(per_token=1.0, per_squared_length=0.05)  # attention's quadratic term matters at these lengths
+
+
+def _chunks(**kwargs):
+    return _pipeline(packing=Packer(max_tokens=12, slicing=True, chunk_cost=CHUNK_COST), **kwargs)
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_gpt_example_workload_balanced_chunks_parity(recompute):
+    """Slices of equal time (the first longest), tails packed with short sequences into hybrid chunks:
+    the tail's tokens see its earlier slices, the packed sequences only themselves."""
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    plans = [chunk_pieces(b["attention_mask"].sum(1).tolist(), CHUNK_COST, 12) for b in batches]
+    hybrid = [g for pieces, _ in plans for g in pieces if len(g) > 1 and g[0][1] > 0]
+    assert hybrid, "the batches should give hybrid chunks"
+    _parity(_gpt, batches, _chunks(recompute=recompute))
+
+
+def test_transformers_llama_workload_balanced_chunks_parity():
+    pytest.importorskip("transformers")
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    _parity(lambda: LlamaOnBatch().double(), batches, _chunks(), atol=HF_ATOL)
+
+
+def test_sliced_parity_on_four_stages():
+    """Sliced 1F1B with a deeper pipeline: three extra warm-up forwards per rank, slices of three sequences."""
+    batches = padded_lm_batches(STEPS, batch_size=6, max_len=20)
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=4, start_method=START_METHOD, packing=Packer(max_tokens=8, slicing=True)
+    )
+    pipelined = fit(_gpt, batches, strategy, devices=4, steps=STEPS)
+    reference = fit(_gpt, reference_batches(batches, 1), steps=STEPS)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+
+
+@pytest.mark.parametrize("packing", [True, Packer(max_tokens=8, slicing=True)], ids=["packing", "slicing"])
+def test_validation_logs_the_token_mean_of_one_device(packing):
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.training import BatchDataset
+
+    batches = padded_lm_batches(2, batch_size=6, max_len=20, seed=4)
+    L.seed_everything(SEED, verbose=False)
+    model = _gpt()
+    options = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, precision="64-true")
+    pipelined = L.Trainer(devices=2, strategy=_pipeline(packing=packing), **options).validate(
+        model, DataLoader(BatchDataset(batches), batch_size=None), verbose=False
+    )
+    single = L.Trainer(devices=1, **options).validate(model, DataLoader(BatchDataset(batches), batch_size=None), verbose=False)
+    assert pipelined[0]["val_loss"] == pytest.approx(single[0]["val_loss"], abs=1e-10, rel=0)
