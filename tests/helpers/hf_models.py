@@ -17,15 +17,17 @@ class HFCausalLM(L.LightningModule):
     SGD with momentum: transformers' loss is float32 even in a float64 model, and Adam would turn
     float32 rounding of near-zero gradients into ``lr``-sized differences between two correct runs."""
 
-    def __init__(self, family: str = "llama", layers: int = 4, lr: float = 0.1, attn: str = "sdpa") -> None:
+    def __init__(
+        self, family: str = "llama", layers: int = 4, lr: float = 0.1, attn: str = "sdpa", positions: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = build_causal_lm(family, layers, attn)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        extra = {"position_ids": batch["position_ids"]} if self.hparams.positions else {}  # a user who passes them
         out = self.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-            position_ids=batch.get("position_ids"),
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"], **extra
         )
         self.log("train_loss", out.loss)
         return out.loss

@@ -117,7 +117,7 @@ def test_left_padding_with_positions_from_the_batch_is_cut(tmp_path):
     the first real token, which a cut microbatch no longer has (the check sees that too). Unlabelled
     first tokens and positions from the batch make cutting exact."""
     records = _parity(
-        lambda: HFCausalLM("llama", layers=4).double(),
+        lambda: HFCausalLM("llama", layers=4, positions=True).double(),
         padded_batches(LENGTHS, "left", positions=True, label_first=False),
         _strategy(), tmp_path / "mb.jsonl", HF_ATOL,
     )
