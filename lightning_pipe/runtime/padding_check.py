@@ -52,11 +52,12 @@ def check_trimming(
     program_for: Callable[[int], Program],
     spans: dict[int, StageSpan],
     group: Any,
-) -> TrimVerdict:
+) -> TrimVerdict | None:
     """Run the microbatch of ``plan`` that loses the most padding cut and uncut, and compare.
 
     A collective of the pipeline ``group`` (None: one process): every rank calls it with the
-    same plan and gets the same verdict.
+    same plan and gets the same verdict. None: no microbatch of this batch is cut (only ordered),
+    so there is nothing to check yet.
 
     Args:
         plan: the batch's microbatch plan, with windows.
@@ -74,7 +75,7 @@ def check_trimming(
     mb = max(range(plan.num_microbatches), key=lambda i: padding.length - (plan.lengths[i] or padding.length))
     window = plan.windows[mb]
     if window is None:
-        return TrimVerdict(True)
+        return None
     cut = plan.split(batch)[mb]
     whole = plan.untrimmed().split(batch)[mb]
     module = runner.root

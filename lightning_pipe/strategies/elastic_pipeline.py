@@ -719,6 +719,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             lambda count: self._program_for(count, train=False), self.spans,
             self.groups.pipeline if self.pipeline_parallel_size > 1 else None,
         )
+        if verdict is None:  # nothing cut in this batch: check the layout on a batch that is
+            return split
         self.trim_verdicts[layout] = verdict
         if verdict.exact:
             return split
