@@ -256,7 +256,8 @@ class DepthDecision:
         action: ``"keep"``, ``"memory_plan"``, ``"grow"``, ``"shrink"`` or ``"regroup"``.
         layout: the layout to run the step on.
         memory_plan: the plan to apply on it (:data:`NO_MEMORY_PLAN` for none).
-        predicted_seconds: step seconds on ``layout`` including the memory plan and migration.
+        predicted_seconds: step seconds on ``layout`` including the memory plan and the migration
+            (divided by ``migration_horizon``).
         current_seconds: step seconds on the current layout without a plan (``inf`` if it does not fit).
         migration_seconds: predicted reconfiguration seconds (0 unless the layout changes).
         min_stages: ``N_stage`` of Algorithm 1.
@@ -290,6 +291,7 @@ def decide_depth(
     allow_memory_plan: bool = True,
     search: str = "hbsa",
     deeper: int = 0,
+    migration_horizon: int = 1,
 ) -> DepthDecision:
     """FMOP for the coming batch: keep, memory plan, grow or shrink (Algorithm 1, lines 28-37).
 
@@ -309,6 +311,9 @@ def decide_depth(
     """
     if search not in ("hbsa", "brute_force"):
         raise ValueError(f"`search` must be 'hbsa' or 'brute_force', got {search!r}.")
+    if migration_horizon < 1:
+        raise ValueError(f"`migration_horizon` must be >= 1 steps, got {migration_horizon}.")
+    horizon = float(migration_horizon)
     num_blocks, num_devices = estimator.num_blocks, estimator.num_devices
     if current.num_blocks != num_blocks or current.num_devices != num_devices:
         raise ValueError(
@@ -331,7 +336,7 @@ def decide_depth(
         else:
             return None
         plans[layout] = plan
-        return estimator.step_seconds(layout) + plan.seconds + estimator.migration_seconds(current, layout)
+        return estimator.step_seconds(layout) + plan.seconds + estimator.migration_seconds(current, layout) / horizon
 
     best: Layout | None = None
     value = math.inf

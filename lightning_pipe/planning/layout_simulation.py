@@ -5,20 +5,20 @@ Two estimates of one batch on a :class:`~lightning_pipe.planning.layout.Layout`:
 - :func:`simulate_layout`, the judge: an event simulation of every replica. A width-``w`` stage
   hands microbatch ``m`` to replica ``m % w``; each replica runs one action at a time, picking the
   action that can start first among its ready ones (a backward before a forward on ties; at most
-  ``ceil((num_stages - s) / w)`` microbatches in flight on a replica of stage ``s``, 1F1B's limit
-  divided among the replicas). A forward waits for the previous stage's forward of the microbatch
+  ``num_stages - s`` microbatches in flight on a replica of stage ``s``, 1F1B's limit). A forward waits for the previous stage's forward of the microbatch
   plus the transfer, a backward for the next stage's backward plus the transfer. When all replicas
   of a stage are done, their gradients are joined by a ring all-reduce
   (``2 (w - 1) / w * gradient_bytes / bandwidth + 2 (w - 1) * latency``); the step ends when the
   last stage's all-reduce ends. Memory per replica: the stage's static bytes plus the most saved
   activations alive at once.
-- :func:`estimate_layout_seconds`, the planner's closed form (FlexPipe's Eq. 1, made explicit):
-  ``sum_i t_i + (n - 1) * max_j t_j / w_j + max_j allreduce_j`` where ``t_i`` is stage ``i``'s
-  mean forward + backward + transfer seconds per microbatch and ``n`` the number of microbatches.
-  The paper writes ``(n - |S| + 1)`` for the second factor (a zero-bubble-style approximation);
-  here the schedules are 1F1B-like, whose fill and drain cost ``(|S| - 1)`` microbatch times, so the
-  standard ``(n - 1)`` is used. A width ``w_j`` divides a stage's steady-state time because its
-  replicas work on different microbatches at once. Cheap enough for HBSA to price every candidate.
+- :func:`estimate_layout_seconds`, the planner's closed form (FlexPipe's Eq. 1, made explicit for
+  whole microbatches per replica): ``sum_i t_i + max_j (ceil(n / w_j) - 1) t_j + max_j allreduce_j``
+  where ``t_i`` is stage ``i``'s mean forward + backward + transfer seconds per microbatch and ``n``
+  the number of microbatches: one microbatch's trip through every stage, then the busiest replica's
+  other microbatches. With widths 1 it is the standard 1F1B/GPipe ``sum t + (n - 1) max t``; the
+  paper writes ``(n - |S| + 1)`` (a zero-bubble-style approximation), which would make depth free
+  for 1F1B-like schedules, whose fill and drain cost ``|S| - 1`` microbatch times. Cheap enough for
+  HBSA to price every candidate; its error against the simulation is reported by the benchmark.
 
 Neither models overlap of the all-reduce with backward, nor contention between transfers.
 """
@@ -107,8 +107,10 @@ def allreduce_seconds(num_bytes: float, width: int, bandwidth: float, latency: f
 
 
 def in_flight_limit(layout: Layout, stage: int) -> int:
-    """Microbatches a replica of ``stage`` may hold between forward and backward."""
-    return max(1, math.ceil((layout.num_stages - stage) / layout.widths[stage]))
+    """Microbatches a replica of ``stage`` may hold between forward and backward: 1F1B's
+    ``num_stages - stage`` (a replica's microbatch still makes the whole round trip through the
+    later stages, however wide they are; it holds fewer only when it runs fewer)."""
+    return layout.num_stages - stage
 
 
 @dataclass(frozen=True)
@@ -241,11 +243,11 @@ def estimate_layout_seconds(
     """
     count = tables.forward.shape[1]
     per_microbatch = (tables.forward + tables.backward + tables.transfer).mean(axis=1)  # [stage]
-    steady = max(float(t) / w for t, w in zip(per_microbatch, widths, strict=True))
+    steady = max((math.ceil(count / w) - 1) * float(t) for t, w in zip(per_microbatch, widths, strict=True))
     allreduce = max(
         allreduce_seconds(float(g), int(w), bandwidth, latency) for g, w in zip(tables.gradient, widths, strict=True)
     )
-    return float(per_microbatch.sum()) + (count - 1) * steady + allreduce
+    return float(per_microbatch.sum()) + steady + allreduce
 
 
 def estimate_layout_memory(tables: StageTables, layout: Layout) -> tuple[float, ...]:
