@@ -12,10 +12,11 @@ Two estimates of one batch on a :class:`~lightning_pipe.planning.layout.Layout`:
   last stage's all-reduce ends. Memory per replica: the stage's static bytes plus the most saved
   activations alive at once.
 - :func:`estimate_layout_seconds`, the planner's closed form (FlexPipe's Eq. 1, made explicit for
-  whole microbatches per replica): ``sum_i t_i + max_j (ceil(n / w_j) - 1) t_j + max_j allreduce_j``
-  where ``t_i`` is stage ``i``'s mean forward + backward + transfer seconds per microbatch and ``n``
-  the number of microbatches: one microbatch's trip through every stage, then the busiest replica's
-  other microbatches. With widths 1 it is the standard 1F1B/GPipe ``sum t + (n - 1) max t``; the
+  whole microbatches per replica): ``max_j (busiest_j + sum_{i != j} t_i) + max_j allreduce_j``
+  where ``t_i`` is stage ``i``'s mean forward + backward + transfer seconds per microbatch and
+  ``busiest_j`` the work of stage ``j``'s busiest replica (its share of the microbatches): the
+  bottleneck replica's microbatches plus one microbatch's trip through the other stages. With
+  widths 1 and equal microbatches it is the standard 1F1B/GPipe ``sum t + (n - 1) max t``; the
   paper writes ``(n - |S| + 1)`` (a zero-bubble-style approximation), which would make depth free
   for 1F1B-like schedules, whose fill and drain cost ``|S| - 1`` microbatch times. Cheap enough for
   HBSA to price every candidate; its error against the simulation is reported by the benchmark.
@@ -241,13 +242,17 @@ def estimate_layout_seconds(
         bandwidth: bytes per second of the all-reduce links.
         latency: seconds per all-reduce message.
     """
-    count = tables.forward.shape[1]
-    per_microbatch = (tables.forward + tables.backward + tables.transfer).mean(axis=1)  # [stage]
-    steady = max((math.ceil(count / w) - 1) * float(t) for t, w in zip(per_microbatch, widths, strict=True))
+    work = tables.forward + tables.backward + tables.transfer  # [stage, microbatch]
+    per_microbatch = work.mean(axis=1)  # [stage]
+    total = float(per_microbatch.sum())
+    slowest = 0.0
+    for stage, width in enumerate(widths):
+        busiest = max(float(work[stage, replica::width].sum()) for replica in range(width))
+        slowest = max(slowest, busiest + total - float(per_microbatch[stage]))
     allreduce = max(
         allreduce_seconds(float(g), int(w), bandwidth, latency) for g, w in zip(tables.gradient, widths, strict=True)
     )
-    return float(per_microbatch.sum()) + steady + allreduce
+    return slowest + allreduce
 
 
 def estimate_layout_memory(tables: StageTables, layout: Layout) -> tuple[float, ...]:

@@ -61,11 +61,11 @@ def test_outcomes_name_the_four_cases(decisions: list[DepthDecision]) -> None:
 
 
 def test_the_search_prices_far_fewer_layouts_than_brute_force() -> None:
-    row = TABLE_2[6]  # GPT-3.35B at mu=2048 from (8, 8): searches 4 and 3 stages
+    row = TABLE_2[5]  # GPT-3.35B at mu=512 from (8, 8): searches 3 and 2 stages
     current = uniform_layout(row.model.num_blocks, row.model.num_devices, 2)
     estimator = table2_estimator(row.model, row.max_length, row.peak_gb)
     bounded = decide_depth(estimator, current)
     full = decide_depth(estimator, current, search="brute_force")
-    assert bounded.layout.widths == (4, 4, 4, 4)
+    assert bounded.action == full.action == "memory_plan"
     assert full.predicted_seconds <= bounded.predicted_seconds * (1 + 1e-9)
-    assert full.num_candidates > 100 * bounded.num_candidates
+    assert full.num_candidates > 100 * bounded.num_candidates, (full.num_candidates, bounded.num_candidates)
