@@ -15,7 +15,8 @@ all-reduce of each stage's gradients among its replicas). Three policies:
 - ``fixed``: the same depth and widths, boundaries re-chosen per batch among uniform +- 2 blocks
   per stage (priced with the planner's estimate; moving pays its migration, amortized over
   ``--horizon`` steps): per-batch repartitioning at fixed depth.
-- ``elastic``: ``planning.hbsa.decide_depth`` per batch (HBSA, memory plans = recomputation of
+- ``elastic``: ``planning.hbsa.decide_depth`` per batch (HBSA with tight bounds: the printed
+  bounds explode on 16 devices, see ``search_bounds``; memory plans = recomputation of
   the stages that do not fit, migration amortized over ``--horizon`` steps; the paper's single
   step is ``--horizon 1``).
 
@@ -178,7 +179,7 @@ def run_elastic(model: CostModel, batches, start: Layout, limit: float, horizon:
     for batch in batches:
         estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit)
         started = time.perf_counter()
-        decision = decide_depth(estimator, current, deeper=1, migration_horizon=horizon)
+        decision = decide_depth(estimator, current, search="hbsa_tight", deeper=1, migration_horizon=horizon)
         result.planning_seconds.append(time.perf_counter() - started)
         seconds = 0.0
         if decision.layout != current:

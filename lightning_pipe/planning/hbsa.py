@@ -131,8 +131,16 @@ class SearchBounds:
     devices: tuple[int, int]
 
 
-def search_bounds(num_blocks: int, num_devices: int, num_stages: int, max_blocks_per_device: int) -> SearchBounds:
+def search_bounds(
+    num_blocks: int, num_devices: int, num_stages: int, max_blocks_per_device: int, *, tight: bool = False
+) -> SearchBounds:
     """The bounds of Algorithm 1 (lines 9-11).
+
+    With ``tight``, the upper bounds are ``ceil(x / N)`` instead of ``floor(x / N) + x % N``: the
+    paper's own observation ("keep |s_i| and |g_i| as consistent as possible") taken literally. The
+    printed bounds grow with the remainder, and the recursion with them: 24 blocks on 16 devices in 9
+    stages allows 2 to 8 blocks and 1 to 8 devices per stage, millions of layouts where ``tight``
+    leaves a few thousand (docs/repartitioning.md, section 7).
 
     Raises:
         ValueError: if ``num_stages`` is not in ``1 .. min(num_blocks, num_devices)``.
@@ -142,8 +150,12 @@ def search_bounds(num_blocks: int, num_devices: int, num_stages: int, max_blocks
             f"`num_stages` must be in 1..{min(num_blocks, num_devices)} (blocks and devices), got {num_stages}."
         )
     low_blocks, low_devices = num_blocks // num_stages, num_devices // num_stages
-    up_blocks = min(low_blocks + num_blocks % num_stages, max_blocks_per_device)
-    up_devices = low_devices + num_devices % num_stages
+    if tight:
+        up_blocks = min(-(-num_blocks // num_stages), max_blocks_per_device)
+        up_devices = -(-num_devices // num_stages)
+    else:
+        up_blocks = min(low_blocks + num_blocks % num_stages, max_blocks_per_device)
+        up_devices = low_devices + num_devices % num_stages
     return SearchBounds(num_stages, (low_blocks, up_blocks), (low_devices, up_devices))
 
 
@@ -299,7 +311,8 @@ def decide_depth(
         estimator: the coming batch's estimators.
         current: the layout in use (``S' Pi_G'``).
         allow_memory_plan: False for the ablation "Flex w/o M": only layouts that fit as they are.
-        search: ``"hbsa"`` (bounded) or ``"brute_force"`` (every layout of the searched depths).
+        search: ``"hbsa"`` (Algorithm 1's bounds), ``"hbsa_tight"`` (``ceil`` upper bounds, see
+            :func:`search_bounds`) or ``"brute_force"`` (every layout of the searched depths).
         deeper: also search up to ``N_stage + deeper`` stages (0 is the paper's algorithm; an
             estimator whose ``peak_memory`` is a lower bound, as the cost-model one, needs 1).
 
@@ -309,8 +322,8 @@ def decide_depth(
     Raises:
         ValueError: if no layout on the estimator's devices holds the batch, even with a plan.
     """
-    if search not in ("hbsa", "brute_force"):
-        raise ValueError(f"`search` must be 'hbsa' or 'brute_force', got {search!r}.")
+    if search not in ("hbsa", "hbsa_tight", "brute_force"):
+        raise ValueError(f"`search` must be 'hbsa', 'hbsa_tight' or 'brute_force', got {search!r}.")
     if migration_horizon < 1:
         raise ValueError(f"`migration_horizon` must be >= 1 steps, got {migration_horizon}.")
     horizon = float(migration_horizon)
@@ -344,8 +357,10 @@ def decide_depth(
 
     def run(depth: int) -> None:
         nonlocal best, value, count
-        if search == "hbsa":
-            bounds = search_bounds(num_blocks, num_devices, depth, estimator.max_blocks_per_device())
+        if search != "brute_force":
+            bounds = search_bounds(
+                num_blocks, num_devices, depth, estimator.max_blocks_per_device(), tight=search == "hbsa_tight"
+            )
             result = search_layouts(num_blocks, num_devices, bounds, price)
         else:
             result = brute_force_layouts(num_blocks, num_devices, depth, price)

@@ -13,7 +13,7 @@ Two estimates of one batch on a :class:`~lightning_pipe.planning.layout.Layout`:
   activations alive at once.
 - :func:`estimate_layout_seconds`, the planner's closed form (FlexPipe's Eq. 1, made explicit for
   whole microbatches per replica): ``max_j (busiest_j + sum_{i != j} t_i) + max_j allreduce_j``
-  where ``t_i`` is stage ``i``'s mean forward + backward + transfer seconds per microbatch and
+  where ``t_i`` is stage ``i``'s largest forward + backward + transfer seconds of a microbatch and
   ``busiest_j`` the work of stage ``j``'s busiest replica (its share of the microbatches): the
   bottleneck replica's microbatches plus one microbatch's trip through the other stages. With
   widths 1 and equal microbatches it is the standard 1F1B/GPipe ``sum t + (n - 1) max t``; the
@@ -243,7 +243,7 @@ def estimate_layout_seconds(
         latency: seconds per all-reduce message.
     """
     work = tables.forward + tables.backward + tables.transfer  # [stage, microbatch]
-    per_microbatch = work.mean(axis=1)  # [stage]
+    per_microbatch = work.max(axis=1)  # [stage]: the longest microbatch's trip
     total = float(per_microbatch.sum())
     slowest = 0.0
     for stage, width in enumerate(widths):
