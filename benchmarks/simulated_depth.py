@@ -12,11 +12,12 @@ all-reduce of each stage's gradients among its replicas). Three policies:
 - ``static``: the fewest stages dividing the device count whose uniform layout fits the trace's
   worst batch (uniform blocks, equal widths), never changed: a static framework sized for the
   longest batch. Full recomputation of every stage when no such depth fits.
-- ``fixed``: the same depth and widths, boundaries re-chosen per batch among uniform +- 2 blocks
-  per stage (priced with the planner's estimate; moving pays its migration, amortized over
-  ``--horizon`` steps): per-batch repartitioning at fixed depth.
+- ``fixed``: the same depth and widths, boundaries re-chosen per batch by local search (one
+  boundary by one block while the planner's estimate improves; moving pays its migration,
+  amortized over ``--horizon`` steps): per-batch repartitioning at fixed depth.
 - ``elastic``: ``planning.hbsa.decide_depth`` per batch (HBSA with tight bounds: the printed
-  bounds explode on 16 devices, see ``search_bounds``; memory plans = recomputation of
+  bounds explode on 16 devices, see ``search_bounds``; at most ``--max-candidates`` layouts
+  priced per depth; memory plans = recomputation of
   the stages that do not fit, migration amortized over ``--horizon`` steps; the paper's single
   step is ``--horizon 1``).
 
@@ -131,32 +132,37 @@ def run_static(model: CostModel, batches, layout: Layout, recompute: bool, limit
     return result
 
 
-def _nearby_boundaries(num_blocks: int, num_stages: int, spread: int) -> list[tuple[int, ...]]:
-    base = uniform_layout(num_blocks, num_stages, num_stages).boundaries
-    options: list[tuple[int, ...]] = [(0,)]
-    for s in range(1, num_stages):
-        options = [(*o, b) for o in options for b in range(base[s] - spread, base[s] + spread + 1) if b > o[-1]]
-    return [(*o, num_blocks) for o in options if o[-1] < num_blocks]
-
-
 def run_fixed(
     model: CostModel, batches, start: Layout, recompute: bool, limit: float, horizon: int
 ) -> PolicyResult:
-    """Same depth and widths; boundaries re-chosen per batch (uniform +- 2 blocks), migration amortized."""
+    """Same depth and widths; boundaries re-chosen per batch by local search (move one boundary by
+    one block while the estimate, with the migration amortized over ``horizon`` steps, improves)."""
     result = PolicyResult()
     flags = (recompute,) * start.num_stages
-    candidates = [Layout(b, start.widths) for b in _nearby_boundaries(model.num_blocks, start.num_stages, 2)]
     current = start
     for batch in batches:
         started = time.perf_counter()
         estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit)
-        best, value = current, estimator.step_seconds(current, flags)
-        for layout in candidates:
+
+        def price(layout: Layout) -> float:
             if max(estimator.memory(layout, flags)) > limit:
-                continue
-            price = estimator.step_seconds(layout, flags) + estimator.migration_seconds(current, layout) / horizon
-            if price < value:
-                best, value = layout, price
+                return math.inf
+            return estimator.step_seconds(layout, flags) + estimator.migration_seconds(current, layout) / horizon
+
+        best, value = current, price(current)
+        improved = True
+        while improved:
+            improved = False
+            for stage in range(1, best.num_stages):
+                for step in (-1, 1):
+                    bounds = list(best.boundaries)
+                    bounds[stage] += step
+                    if not bounds[stage - 1] < bounds[stage] < bounds[stage + 1]:
+                        continue
+                    layout = Layout(tuple(bounds), best.widths)
+                    cost = price(layout)
+                    if cost < value * (1 - 1e-9):
+                        best, value, improved = layout, cost, True
         result.planning_seconds.append(time.perf_counter() - started)
         seconds = 0.0
         if best != current:
@@ -172,14 +178,18 @@ def run_fixed(
     return result
 
 
-def run_elastic(model: CostModel, batches, start: Layout, limit: float, horizon: int) -> PolicyResult:
+def run_elastic(
+    model: CostModel, batches, start: Layout, limit: float, horizon: int, max_candidates: int
+) -> PolicyResult:
     """FMOP with HBSA per batch."""
     result = PolicyResult()
     current = start
     for batch in batches:
         estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit)
         started = time.perf_counter()
-        decision = decide_depth(estimator, current, search="hbsa_tight", deeper=1, migration_horizon=horizon)
+        decision = decide_depth(
+            estimator, current, search="hbsa_tight", deeper=1, migration_horizon=horizon, max_candidates=max_candidates
+        )
         result.planning_seconds.append(time.perf_counter() - started)
         seconds = 0.0
         if decision.layout != current:
@@ -216,7 +226,7 @@ def run_configuration(trace: str, lengths, model_name: str, devices: int, args: 
         longest=[max(batch) for batch in lengths],
         static=run_static(model, batches, layout, recompute, limit),
         fixed=run_fixed(model, batches, layout, recompute, limit, args.horizon),
-        elastic=run_elastic(model, batches, layout, limit, args.horizon),
+        elastic=run_elastic(model, batches, layout, limit, args.horizon, args.max_candidates),
     )
 
 
@@ -267,7 +277,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     console.print(
         f"run: python benchmarks/simulated_depth.py {' '.join(sys.argv[1:])}  |  {args.batches} batches per trace, "
         f"seed {args.seed}, {args.memory_gib:g} GiB, {args.microbatches_per_device} microbatches per device, horizon "
-        f"{args.horizon}  |  {platform.python_version()}, {platform.machine()}, wall {wall:.1f} s"
+        f"{args.horizon}, HBSA at most {args.max_candidates} layouts per depth  |  {platform.python_version()}, {platform.machine()}, wall {wall:.1f} s"
     )
 
 
@@ -361,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches-per-device", type=int, default=2)
     parser.add_argument("--memory-gib", type=float, default=80.0)
     parser.add_argument("--horizon", type=int, default=16, help="steps a reconfiguration is amortized over")
+    parser.add_argument("--max-candidates", type=int, default=1000, help="HBSA layouts priced per depth at most")
     parser.add_argument("--plot", help="PNG of the first configuration's depth over batches")
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--hbsa", action="store_true", help="time HBSA against brute force on Table 2's rows")

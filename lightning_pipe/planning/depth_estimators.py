@@ -180,6 +180,20 @@ class CostModelDepthEstimator:
         tables = self.cost_model.tables(self.microbatches)
         return float(tables.static_bytes.sum() + tables.saved_bytes.sum(axis=0).max())
 
+    def minimum_stages(self) -> int:
+        """The fewest stages whose uniform layout (even blocks and widths) fits every replica.
+
+        Replaces Algorithm 1's aggregate count (lines 3-6), which ignores that 1F1B's first stages
+        hold more microbatches in flight; ``min(num_blocks, num_devices)`` when none fits.
+        """
+        from lightning_pipe.planning.layout import uniform_layout
+
+        most = min(self.num_blocks, self.num_devices)
+        for depth in range(1, most + 1):
+            if self.fits(uniform_layout(self.num_blocks, self.num_devices, depth)):
+                return depth
+        return most
+
     def max_blocks_per_device(self) -> int:
         """Most blocks whose static bytes fit one device (activations aside)."""
         block_bytes = max(unit.static_bytes for unit in self.cost_model.units[1:-1])

@@ -29,6 +29,8 @@ Decisions where the paper is silent (written down in docs/repartitioning.md, sec
 - ``v`` starts at infinity; when ``N`` equals the current depth there is no search (line 8), so B
   holds ("keep"), unless the current layout does not fit: then depths ``N + 1, N + 2, ...`` are
   searched until a layout fits (the paper leaves this case, and ``not A and not C and D``, open).
+- An estimator may define ``minimum_stages()`` (the cost-model one: the fewest stages whose
+  uniform layout fits per stage); lines 3-6's aggregate count is used otherwise.
 - Condition A is checked with the estimator's ``fits`` (per stage for the cost-model estimator,
   the paper's aggregate ``M_peak <= M |S|`` for :class:`AggregateDepthEstimator`).
 """
@@ -168,12 +170,14 @@ class SearchResult:
         value: its price (``inf`` when none).
         num_candidates: complete layouts priced.
         seconds: wall-clock seconds of the search.
+        truncated: True when ``max_candidates`` stopped the search early.
     """
 
     layout: Layout | None
     value: float
     num_candidates: int
     seconds: float
+    truncated: bool = False
 
 
 def _layout(blocks: list[int], widths: list[int]) -> Layout:
@@ -188,6 +192,7 @@ def search_layouts(
     num_devices: int,
     bounds: SearchBounds,
     price: Callable[[Layout], float | None],
+    max_candidates: int | None = None,
 ) -> SearchResult:
     """Algorithm 1's ``Search`` (lines 14-26): the bounded recursion over stage prefixes.
 
@@ -196,6 +201,9 @@ def search_layouts(
         num_devices: devices to use (``|D|``).
         bounds: from :func:`search_bounds`.
         price: a layout's value (``T + T_mig``, smaller is better), or None when infeasible.
+        max_candidates: stop after pricing this many layouts (None: all). Deep layouts on many
+            devices reach hundreds of thousands even with tight bounds (12 stages of 32 blocks on
+            16 devices: 245,025); the result then says ``truncated``.
 
     Returns:
         The first layout of smallest value in the recursion's order (strict ``<``, as line 24).
@@ -206,15 +214,25 @@ def search_layouts(
     best: Layout | None = None
     value = math.inf
     count = 0
+    limit = math.inf if max_candidates is None else max_candidates
+
+    def completable(rest_blocks: int, rest_devices: int) -> bool:
+        # some number k of further stages holds both remainders within the bounds (else a dead end:
+        # skipping it changes nothing but the time, the recursion would reach no layout from it)
+        k_low = max(-(-rest_blocks // up_l), -(-rest_devices // up_g))
+        k_high = min(rest_blocks // low_l, rest_devices // low_g)
+        return k_low <= k_high
 
     def search(rest_blocks: int, rest_devices: int, blocks: list[int], widths: list[int]) -> None:
         nonlocal best, value, count
         for i in range(low_l, up_l + 1):
             for j in range(low_g, up_g + 1):
                 left_l, left_g = rest_blocks - i, rest_devices - j
-                if left_l > up_l and left_g > up_g:
+                if count >= limit:
+                    return
+                if left_l > up_l and left_g > up_g and completable(left_l, left_g):
                     search(left_l, left_g, [*blocks, i], [*widths, j])
-                if low_l <= left_l <= up_l and low_g <= left_g <= up_g:
+                if low_l <= left_l <= up_l and low_g <= left_g <= up_g and count < limit:
                     candidate = _layout([*blocks, i, left_l], [*widths, j, left_g])
                     count += 1
                     cost = price(candidate)
@@ -229,7 +247,7 @@ def search_layouts(
                 best, value = candidate, cost
         else:
             search(num_blocks, num_devices, [], [])
-    return SearchResult(best, value, count, time.perf_counter() - started)
+    return SearchResult(best, value, count, time.perf_counter() - started, count >= limit)
 
 
 def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -304,6 +322,7 @@ def decide_depth(
     search: str = "hbsa",
     deeper: int = 0,
     migration_horizon: int = 1,
+    max_candidates: int | None = None,
 ) -> DepthDecision:
     """FMOP for the coming batch: keep, memory plan, grow or shrink (Algorithm 1, lines 28-37).
 
@@ -333,7 +352,9 @@ def decide_depth(
             f"`current` {current.describe()} does not cover {num_blocks} blocks on {num_devices} devices."
         )
     most = min(num_blocks, num_devices)
-    needed = min(minimum_stages(estimator.peak_memory(), estimator.device_memory, num_devices), most)
+    exact = getattr(estimator, "minimum_stages", None)  # per-stage memory, when the estimator knows it
+    needed = exact() if exact is not None else minimum_stages(estimator.peak_memory(), estimator.device_memory, num_devices)
+    needed = min(needed, most)
     fits_now = estimator.fits(current)
     current_seconds = estimator.step_seconds(current)
     plans: dict[Layout, MemoryPlanCost] = {}
@@ -361,7 +382,7 @@ def decide_depth(
             bounds = search_bounds(
                 num_blocks, num_devices, depth, estimator.max_blocks_per_device(), tight=search == "hbsa_tight"
             )
-            result = search_layouts(num_blocks, num_devices, bounds, price)
+            result = search_layouts(num_blocks, num_devices, bounds, price, max_candidates)
         else:
             result = brute_force_layouts(num_blocks, num_devices, depth, price)
         count += result.num_candidates
