@@ -291,7 +291,9 @@ def plot_depth(row: Row, path: str) -> None:
     steps = range(len(row.elastic.layouts))
     figure, top = plt.subplots(figsize=(10, 4.2), dpi=120)
     top.step(steps, [layout.num_stages for layout in row.elastic.layouts], where="post", color="C0", label="elastic")
-    top.step(steps, [row.static_layout.num_stages] * len(steps), where="post", color="C3", ls="--", label="static")
+    static_label = f"static {row.static_layout.num_stages}x{row.static_layout.widths[0]}"
+    static_label += " + recompute" if row.recompute else ""
+    top.step(steps, [row.static_layout.num_stages] * len(steps), where="post", color="C3", ls="--", label=static_label)
     for index, layout in enumerate(row.elastic.layouts):
         if index == 0 or layout != row.elastic.layouts[index - 1]:
             top.annotate(

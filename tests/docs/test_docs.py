@@ -22,6 +22,10 @@ REGENERATED = {
         "--stages", "4", "--plot", "{out}",
     ],
     "docs/img/memory_budget.png": ["benchmarks/simulated_memory.py", "--quick", "--plot", "{out}"],
+    "docs/img/depth_over_batches.png": [
+        "benchmarks/simulated_depth.py", "--batches", "8", "--traces", "github", "--models", "7b", "--devices", "8",
+        "--plot", "{out}",
+    ],
 }
 DRAWN_ELSEWHERE = {"docs/img/measured_1f1b_step.png"}
 
