@@ -69,7 +69,8 @@ class UnitMove:
 
     Attributes:
         unit: unit index (``pre`` is 0).
-        source: the old holder that sends (the lowest; replicas hold equal parameters and state).
+        source: the old holder that sums the partial gradients and sends (replicas hold equal
+            parameters and state): the lowest one that stays a holder, else the lowest.
         destinations: new holders that did not hold the unit.
         gradient_sum: old holders whose partial gradients are summed on ``source`` first (all old
             holders; a one-element tuple means nothing to sum).
@@ -110,8 +111,10 @@ class RegroupPlan:
 def plan_regroup(old: Layout, new: Layout, num_blocks: int) -> RegroupPlan:
     """The moves from layout ``old`` to layout ``new`` (see the module docstring, point 4).
 
-    The gradient keeper is the source when it stays a holder (no copy of the gradient travels),
-    otherwise the lowest new holder.
+    The source is the lowest old holder that stays a holder (else the lowest old holder); it sums
+    the old replicas' partial gradients and keeps the total when it stays, otherwise the lowest
+    destination keeps it (it receives the total with the parameters), so the sum always reaches
+    its keeper.
 
     Raises:
         ValueError: if the layouts do not cover ``num_blocks`` blocks on the same devices.
@@ -123,9 +126,10 @@ def plan_regroup(old: Layout, new: Layout, num_blocks: int) -> RegroupPlan:
     for unit, (was, will) in enumerate(zip(before, after, strict=True)):
         if was == will:
             continue
-        source = min(was)
+        staying = [rank for rank in was if rank in will]
+        source = min(staying) if staying else min(was)
         destinations = tuple(d for d in will if d not in was)
-        keeper = source if source in will else min(will)
+        keeper = source if staying else min(destinations)
         moves.append(UnitMove(unit, source, destinations, tuple(sorted(was)), keeper))
     return RegroupPlan(old, new, tuple(moves))
 

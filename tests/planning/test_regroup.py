@@ -67,6 +67,9 @@ def test_moves_give_every_new_holder_its_units(rng: np.random.Generator) -> None
         holds = {(u, r) for u, ranks in enumerate(before) for r in ranks}
         for move in plan.moves:
             assert move.source in before[move.unit]
+            # the keeper ends up with the total: it is the summing source or receives from it
+            assert move.gradient_keeper == move.source or move.gradient_keeper in move.destinations
+            assert move.gradient_keeper in after[move.unit]
             holds |= {(move.unit, d) for d in move.destinations}
         assert all((u, r) in holds for u, ranks in enumerate(after) for r in ranks)
         # every send has its receive, in the same order on both sides
