@@ -132,9 +132,7 @@ def run_static(model: CostModel, batches, layout: Layout, recompute: bool, limit
     return result
 
 
-def run_fixed(
-    model: CostModel, batches, start: Layout, recompute: bool, limit: float, horizon: int
-) -> PolicyResult:
+def run_fixed(model: CostModel, batches, start: Layout, recompute: bool, limit: float, horizon: int) -> PolicyResult:
     """Same depth and widths; boundaries re-chosen per batch by local search (move one boundary by
     one block while the estimate, with the migration amortized over ``horizon`` steps, improves)."""
     result = PolicyResult()
@@ -144,7 +142,7 @@ def run_fixed(
         started = time.perf_counter()
         estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit)
 
-        def price(layout: Layout) -> float:
+        def price(layout: Layout, estimator=estimator, current=current) -> float:
             if max(estimator.memory(layout, flags)) > limit:
                 return math.inf
             return estimator.step_seconds(layout, flags) + estimator.migration_seconds(current, layout) / horizon
@@ -323,7 +321,19 @@ def run_hbsa_timing(args: argparse.Namespace) -> None:
 
     console = Console(width=150)
     table = Table(title="HBSA vs brute force (every layout of the searched depths), Table 2 rows, pure Python")
-    for column in ("model", "mu", "current", "HBSA layout", "HBSA ms", "layouts", "brute ms", "layouts ", "brute layout", "speed-up", "T HBSA / T brute"):
+    for column in (
+        "model",
+        "mu",
+        "current",
+        "HBSA layout",
+        "HBSA ms",
+        "layouts",
+        "brute ms",
+        "layouts ",
+        "brute layout",
+        "speed-up",
+        "T HBSA / T brute",
+    ):
         table.add_column(column, justify="right")
     ratios = []
     current = None
@@ -338,11 +348,24 @@ def run_hbsa_timing(args: argparse.Namespace) -> None:
         hbsa_seconds = (time.perf_counter() - started) / repeats
         depths = [bounded.min_stages, bounded.min_stages - 1] if bounded.min_stages != current.num_stages else []
         brute_layouts = sum(
-            math.comb(row.model.num_blocks - 1, d - 1) * math.comb(row.model.num_devices - 1, d - 1) for d in depths if d >= 1
+            math.comb(row.model.num_blocks - 1, d - 1) * math.comb(row.model.num_devices - 1, d - 1)
+            for d in depths
+            if d >= 1
         )
         if brute_layouts > args.brute_force_limit or not depths:
-            table.add_row(row.model.name, str(row.max_length), str(current.widths), str(bounded.layout.widths),
-                          f"{1e3 * hbsa_seconds:.2f}", str(bounded.num_candidates), "-", f"{brute_layouts:,}", "-", "-", "-")
+            table.add_row(
+                row.model.name,
+                str(row.max_length),
+                str(current.widths),
+                str(bounded.layout.widths),
+                f"{1e3 * hbsa_seconds:.2f}",
+                str(bounded.num_candidates),
+                "-",
+                f"{brute_layouts:,}",
+                "-",
+                "-",
+                "-",
+            )
             current = bounded.layout
             continue
         started = time.perf_counter()
@@ -358,7 +381,9 @@ def run_hbsa_timing(args: argparse.Namespace) -> None:
         current = bounded.layout
     console.print(table)
     if ratios:
-        console.print(f"mean speed-up over the timed rows: {sum(ratios) / len(ratios):,.0f}x (paper: 745 / 15 ms = 50x)")
+        console.print(
+            f"mean speed-up over the timed rows: {sum(ratios) / len(ratios):,.0f}x (paper: 745 / 15 ms = 50x)"
+        )
     console.print(f"run: python benchmarks/simulated_depth.py {' '.join(sys.argv[1:])}  |  {platform.python_version()}")
 
 

@@ -31,9 +31,21 @@ from lightning_pipe.planning.hbsa import (
     search_bounds,
     search_layouts,
 )
-from lightning_pipe.planning.layout import Layout, LayoutMigration, estimate_layout_migration, even_widths, uniform_layout
+from lightning_pipe.planning.layout import (
+    Layout,
+    LayoutMigration,
+    estimate_layout_migration,
+    even_widths,
+    uniform_layout,
+)
 from lightning_pipe.planning.layout_simulation import LayoutSimulation, estimate_layout_seconds, simulate_layout
-from lightning_pipe.planning.memory_model import MemoryPlan, MemoryPrediction, MemoryProfile, StageMemory, predict_memory
+from lightning_pipe.planning.memory_model import (
+    MemoryPlan,
+    MemoryPrediction,
+    MemoryProfile,
+    StageMemory,
+    predict_memory,
+)
 from lightning_pipe.planning.memory_planner import MemoryBudgetError, MemoryPlanResult, plan_memory
 from lightning_pipe.planning.migration import MigrationCalibration, MigrationEstimate, estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition

@@ -210,7 +210,10 @@ class CostModelDepthEstimator:
     def step_seconds(self, layout: Layout, recompute: tuple[bool, ...] | None = None) -> float:
         """Eq. 1 estimate (:func:`~lightning_pipe.planning.layout_simulation.estimate_layout_seconds`)."""
         return estimate_layout_seconds(
-            self.tables(layout, recompute), layout.widths, bandwidth=self.cost_model.bandwidth, latency=self.cost_model.latency
+            self.tables(layout, recompute),
+            layout.widths,
+            bandwidth=self.cost_model.bandwidth,
+            latency=self.cost_model.latency,
         )
 
     def memory_plan(self, layout: Layout) -> MemoryPlanCost | None:
@@ -234,4 +237,3 @@ class CostModelDepthEstimator:
             return 0.0
         moved = estimate_layout_migration(self.cost_model, old, new, include_gradients=self.include_gradients)
         return self.migration_overhead + moved.seconds
-

@@ -99,19 +99,19 @@ def table2_estimator(model: PaperModel, max_length: int, peak_gb: float, **overr
     tokens = BATCH_SEQUENCES * max_length / NUM_MICROBATCHES  # per microbatch
     block_flops = 3.0 * (24.0 * h * h * tokens + 4.0 * h * max_length * tokens)
     block_parameters = 12.0 * h * h
-    options = dict(
-        num_blocks=model.num_blocks,
-        num_devices=model.num_devices,
-        device_memory=DEVICE_MEMORY,
-        batch_peak_memory=peak_gb * GB,
-        block_seconds=block_flops / DEVICE_FLOPS,
-        num_microbatches=NUM_MICROBATCHES,
-        block_gradient_bytes=2.0 * block_parameters,
-        block_state_bytes=14.0 * block_parameters,
-        boundary_seconds=2.0 * h * tokens / NVLINK_BYTES_PER_SECOND,
-        bandwidth=NVLINK_BYTES_PER_SECOND,
-        reconfiguration_overhead=RECONFIGURATION_SECONDS,
-        static_bytes=16.0 * model.num_parameters,
-    )
+    options = {
+        "num_blocks": model.num_blocks,
+        "num_devices": model.num_devices,
+        "device_memory": DEVICE_MEMORY,
+        "batch_peak_memory": peak_gb * GB,
+        "block_seconds": block_flops / DEVICE_FLOPS,
+        "num_microbatches": NUM_MICROBATCHES,
+        "block_gradient_bytes": 2.0 * block_parameters,
+        "block_state_bytes": 14.0 * block_parameters,
+        "boundary_seconds": 2.0 * h * tokens / NVLINK_BYTES_PER_SECOND,
+        "bandwidth": NVLINK_BYTES_PER_SECOND,
+        "reconfiguration_overhead": RECONFIGURATION_SECONDS,
+        "static_bytes": 16.0 * model.num_parameters,
+    }
     options.update(overrides)
     return AggregateDepthEstimator(**options)

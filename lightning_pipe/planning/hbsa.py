@@ -348,12 +348,12 @@ def decide_depth(
     horizon = float(migration_horizon)
     num_blocks, num_devices = estimator.num_blocks, estimator.num_devices
     if current.num_blocks != num_blocks or current.num_devices != num_devices:
-        raise ValueError(
-            f"`current` {current.describe()} does not cover {num_blocks} blocks on {num_devices} devices."
-        )
+        raise ValueError(f"`current` {current.describe()} does not cover {num_blocks} blocks on {num_devices} devices.")
     most = min(num_blocks, num_devices)
     exact = getattr(estimator, "minimum_stages", None)  # per-stage memory, when the estimator knows it
-    needed = exact() if exact is not None else minimum_stages(estimator.peak_memory(), estimator.device_memory, num_devices)
+    needed = (
+        exact() if exact is not None else minimum_stages(estimator.peak_memory(), estimator.device_memory, num_devices)
+    )
     needed = min(needed, most)
     fits_now = estimator.fits(current)
     current_seconds = estimator.step_seconds(current)
@@ -419,7 +419,11 @@ def decide_depth(
         if best is None or value >= current_seconds:  # A and B
             return decision("keep", current, NO_MEMORY_PLAN, current_seconds, "A and B: fits, no faster layout")
         return decision(
-            _action_for(current, best), best, plans[best], value, "A and not B: a faster layout pays its reconfiguration"
+            _action_for(current, best),
+            best,
+            plans[best],
+            value,
+            "A and not B: a faster layout pays its reconfiguration",
         )
     plan = estimator.memory_plan(current) if allow_memory_plan else None
     planned = math.inf if plan is None else current_seconds + plan.seconds
@@ -432,5 +436,9 @@ def decide_depth(
             f"per device{'' if allow_memory_plan else ', memory plans off'}): use more devices, smaller microbatches, "
             "or allow memory plans."
         )
-    reason = "not A, not C: the layout in use cannot hold the batch" if plan is None else "not A, not D: reconfiguring is cheaper"
+    reason = (
+        "not A, not C: the layout in use cannot hold the batch"
+        if plan is None
+        else "not A, not D: reconfiguring is cheaper"
+    )
     return decision(_action_for(current, best), best, plans[best], value, reason)

@@ -94,9 +94,7 @@ def stage_tables(
         transfer.append(np.where(out > 0, cost_model.latency + out * link, 0.0))
     static = np.array([tables.static_bytes[a:b].sum() for a, b in ranges])
     gradient = np.array([sum(u.gradient_bytes for u in cost_model.units[a:b]) for a, b in ranges])
-    return StageTables(
-        np.array(forward), np.array(backward), np.array(transfer), np.array(saved), static, gradient
-    )
+    return StageTables(np.array(forward), np.array(backward), np.array(transfer), np.array(saved), static, gradient)
 
 
 def allreduce_seconds(num_bytes: float, width: int, bandwidth: float, latency: float) -> float:

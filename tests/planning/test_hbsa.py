@@ -74,7 +74,7 @@ def test_search_is_exact_within_its_bounds(num_blocks: int, num_devices: int, nu
     bounded = []
     for depth in range(1, min(num_blocks, num_devices) + 1):
         everything: list[Layout] = []
-        brute_force_layouts(num_blocks, num_devices, depth, lambda layout: everything.append(layout))
+        brute_force_layouts(num_blocks, num_devices, depth, lambda layout, seen=everything: seen.append(layout))
         bounded += [layout for layout in everything if reached(layout)]
     values = [(price(layout), layout) for layout in bounded]
     feasible = [value for value, _ in values if value is not None]
@@ -89,18 +89,18 @@ def test_brute_force_counts_every_layout() -> None:
 
 
 def _aggregate(peak_gb: float, **options: float) -> AggregateDepthEstimator:
-    values = dict(
-        num_blocks=16,
-        num_devices=8,
-        device_memory=80 * GB,
-        batch_peak_memory=peak_gb * GB,
-        block_seconds=0.01,
-        num_microbatches=8,
-        block_gradient_bytes=1e8,
-        block_state_bytes=1e9,
-        reconfiguration_overhead=0.05,
-        static_bytes=20 * GB,
-    )
+    values = {
+        "num_blocks": 16,
+        "num_devices": 8,
+        "device_memory": 80 * GB,
+        "batch_peak_memory": peak_gb * GB,
+        "block_seconds": 0.01,
+        "num_microbatches": 8,
+        "block_gradient_bytes": 1e8,
+        "block_state_bytes": 1e9,
+        "reconfiguration_overhead": 0.05,
+        "static_bytes": 20 * GB,
+    }
     values.update(options)
     return AggregateDepthEstimator(**values)
 
@@ -152,7 +152,9 @@ def test_cost_model_estimator_decisions_are_simulated_correctly() -> None:
     decision = decide_depth(estimator, deep, deeper=1, migration_horizon=16)
     assert decision.action == "shrink" and decision.layout.num_stages < 8
     # the simulator agrees that the shallower layout is faster on the short batch
-    assert simulate_layout(model, short, decision.layout).step_seconds < simulate_layout(model, short, deep).step_seconds
+    assert (
+        simulate_layout(model, short, decision.layout).step_seconds < simulate_layout(model, short, deep).step_seconds
+    )
     tight = CostModelDepthEstimator(model, long, 8, 24 * 2**30)
     grown = decide_depth(tight, decision.layout, deeper=1, migration_horizon=16)
     assert grown.action in ("grow", "memory_plan")

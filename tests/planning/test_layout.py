@@ -93,8 +93,7 @@ def test_random_layouts_never_stall_and_respect_bounds(rng: np.random.Generator)
         assert result.step_seconds >= path.max() * (1 - 1e-9)
         # the planner's memory estimate is an upper bound of the simulated peak
         assert all(
-            e >= s * (1 - 1e-9)
-            for e, s in zip(estimate_layout_memory(tables, layout), result.peak_memory, strict=True)
+            e >= s * (1 - 1e-9) for e, s in zip(estimate_layout_memory(tables, layout), result.peak_memory, strict=True)
         )
 
 

@@ -87,7 +87,7 @@ def test_regrouping_inside_an_accumulation_window_keeps_every_gradient_sum(rng: 
         after = apply_gradient_moves(plan, partial)
         new_holders = unit_holders(new, 8)
         for unit in range(10):
-            assert set(r for (u, r) in after if u == unit) == set(new_holders[unit])
+            assert {r for (u, r) in after if u == unit} == set(new_holders[unit])
             total_before = sum(v for (u, _), v in partial.items() if u == unit)
             total_after = sum(v for (u, _), v in after.items() if u == unit)
             assert total_after == pytest.approx(total_before, abs=1e-12)

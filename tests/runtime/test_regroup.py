@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -52,7 +53,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             if rank in ranks
         }
         record = []
-        for step, (old, new) in enumerate(zip(LAYOUTS, LAYOUTS[1:]), start=1):
+        for step, (old, new) in enumerate(itertools.pairwise(LAYOUTS), start=1):
             plan = plan_regroup(old, new, NUM_BLOCKS)
             after = unit_holders(new, NUM_BLOCKS)
             units = regroup_units(units, plan.moves, dict(enumerate(after)), rank)
@@ -77,7 +78,10 @@ def test_regrouping_keeps_parameters_state_and_gradient_sums(tmp_path) -> None:
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     # the window's gradient of every unit: the partials every holder added, step by step
-    expected = {u: sum(_partial(u, r, 0)[f"unit{u}.weight"] for r in ranks) for u, ranks in enumerate(unit_holders(LAYOUTS[0], NUM_BLOCKS))}
+    expected = {
+        u: sum(_partial(u, r, 0)[f"unit{u}.weight"] for r in ranks)
+        for u, ranks in enumerate(unit_holders(LAYOUTS[0], NUM_BLOCKS))
+    }
     for step, layout in enumerate(LAYOUTS[1:]):
         holders = unit_holders(layout, NUM_BLOCKS)
         for unit, ranks in enumerate(holders):
