@@ -16,13 +16,41 @@ from lightning_pipe.planning.boundaries import (
     unit_ranges,
 )
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost, UnitTables
+from lightning_pipe.planning.depth_estimators import AggregateDepthEstimator, CostModelDepthEstimator
 from lightning_pipe.planning.fit import LinearFit, TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
 from lightning_pipe.planning.gpt import gpt_1_3b, gpt_7b, gpt_cost_model
-from lightning_pipe.planning.memory_model import MemoryPlan, MemoryPrediction, MemoryProfile, StageMemory, predict_memory
+from lightning_pipe.planning.hbsa import (
+    DepthDecision,
+    DepthEstimator,
+    MemoryPlanCost,
+    SearchBounds,
+    SearchResult,
+    brute_force_layouts,
+    decide_depth,
+    minimum_stages,
+    search_bounds,
+    search_layouts,
+)
+from lightning_pipe.planning.layout import (
+    Layout,
+    LayoutMigration,
+    estimate_layout_migration,
+    even_widths,
+    uniform_layout,
+)
+from lightning_pipe.planning.layout_simulation import LayoutSimulation, estimate_layout_seconds, simulate_layout
+from lightning_pipe.planning.memory_model import (
+    MemoryPlan,
+    MemoryPrediction,
+    MemoryProfile,
+    StageMemory,
+    predict_memory,
+)
 from lightning_pipe.planning.memory_planner import MemoryBudgetError, MemoryPlanResult, plan_memory
 from lightning_pipe.planning.migration import MigrationCalibration, MigrationEstimate, estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.regroup import RegroupPlan, UnitMove, plan_regroup, replica_groups, replica_microbatches
 from lightning_pipe.planning.traces import (
     LengthTrace,
     flan_like_trace,
@@ -41,12 +69,20 @@ from lightning_pipe.planning.trigger import (
 
 # Public API: everything below; the other modules (`bounds`, `batch_simulation`) are machinery.
 __all__ = [
+    "AggregateDepthEstimator",
     "CostModel",
+    "CostModelDepthEstimator",
+    "DepthDecision",
+    "DepthEstimator",
+    "Layout",
+    "LayoutMigration",
+    "LayoutSimulation",
     "LengthTrace",
     "LinearCost",
     "LinearFit",
     "MemoryBudgetError",
     "MemoryPlan",
+    "MemoryPlanCost",
     "MemoryPlanResult",
     "MemoryPrediction",
     "MemoryProfile",
@@ -55,6 +91,9 @@ __all__ = [
     "MigrationEstimate",
     "PartitionPlan",
     "PipelinePlan",
+    "RegroupPlan",
+    "SearchBounds",
+    "SearchResult",
     "StageMemory",
     "StepPrediction",
     "TimingSample",
@@ -62,12 +101,18 @@ __all__ = [
     "TriggerDecision",
     "UnitCost",
     "UnitFit",
+    "UnitMove",
     "UnitTables",
     "balanced_partition",
+    "brute_force_layouts",
     "check_boundaries",
+    "decide_depth",
     "decide_repartition",
+    "estimate_layout_migration",
+    "estimate_layout_seconds",
     "estimate_migration",
     "evaluate_partition",
+    "even_widths",
     "fit_linear_cost",
     "fit_unit_cost",
     "flan_like_trace",
@@ -75,14 +120,22 @@ __all__ = [
     "gpt_1_3b",
     "gpt_7b",
     "gpt_cost_model",
+    "minimum_stages",
     "plan_memory",
     "plan_partition",
+    "plan_regroup",
     "predict_memory",
     "predicted_gain",
     "random_partition",
+    "replica_groups",
+    "replica_microbatches",
     "sample_flan_lengths",
     "sample_github_lengths",
+    "search_bounds",
+    "search_layouts",
+    "simulate_layout",
     "split_microbatches",
+    "uniform_layout",
     "uniform_partition",
     "unit_ranges",
 ]

@@ -24,6 +24,10 @@ REGENERATED = {
     "docs/img/memory_budget.png": ["benchmarks/simulated_memory.py", "--quick", "--plot", "{out}"],
     "docs/img/long_chunks.png": ["benchmarks/simulated_long.py", "--quick", "--plot-chunks", "{out}"],
     "docs/img/long_sliced_timeline.png": ["benchmarks/simulated_long.py", "--quick", "--plot-timeline", "{out}"],
+    "docs/img/depth_over_batches.png": [
+        "benchmarks/simulated_depth.py", "--batches", "8", "--traces", "github", "--models", "7b", "--devices", "8",
+        "--plot", "{out}",
+    ],
 }
 DRAWN_ELSEWHERE = {"docs/img/measured_1f1b_step.png"}
 
