@@ -47,6 +47,7 @@ from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.runtime.loss_weights import (
     DeferredNormalization,
     LossWeights,
@@ -62,6 +63,7 @@ from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_sc
 from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies import checkpointing, distributed_checkpoint
 from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
+from lightning_pipe.strategies.plan_merging import PlanApplication, apply_proposals
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
@@ -198,8 +200,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.loss_weights = loss_weights
         self._allow_sample_mixing = allow_sample_mixing
         self._warned_sample_mixing = False
-        self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
+        self._splits: list[tuple[Any, tuple, SplitBatch]] = []  # latest splits: (batch kept to compare, (count, sizes), split)
         self._short_programs: dict[int, Program] = {}
+        self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds, one per (family, ranks, count)
+        self._microbatch_sizes: tuple[int, ...] | None = None
+        self._proposals: list[PlanProposal] = []
+        self.last_application: PlanApplication | None = None  # how the latest step's plan was merged and applied
         if async_save and not save_distributed_checkpoint:
             raise ValueError(
                 "`async_save=True` writes sharded checkpoints on a background thread; it needs "
@@ -425,11 +431,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         num_blocks = self.unit_layout.num_blocks
         num_stages = self.pipeline_parallel_size * schedule.stages_per_rank
         boundaries = check_boundaries(plan.boundaries, num_blocks, num_stages)
-        program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
-        validate(program)
+        program = self.program_for_plan(plan)
+        if getattr(self, "program", None) is not program:
+            self.eval_program: Program = forward_only(program)
         self.schedule, self.program, self.boundaries = schedule, program, boundaries
-        self.eval_program: Program = forward_only(program)
         self._num_microbatches = plan.num_microbatches
+        self._microbatch_sizes = plan.microbatch_sizes
         self.spans = {
             s: StageSpan(s, boundaries[s], boundaries[s + 1], num_blocks)
             for s in program.stages_of(self.layout.pipeline_rank)
@@ -476,7 +483,37 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @property
     def plan(self) -> PipelinePlan:
         """The plan the next step runs with."""
-        return PipelinePlan(self.boundaries, self.schedule, self.num_microbatches, memory=self.memory.plan.to_dict())
+        return PipelinePlan(
+            self.boundaries, self.schedule, self.num_microbatches, memory=self.memory.plan,
+            microbatch_sizes=self._microbatch_sizes,
+        )
+
+    def program_for_plan(self, plan: PipelinePlan) -> Program:
+        """The validated training program of ``plan``'s family and microbatch count (built once per pair)."""
+        schedule = resolve_schedule(plan.schedule)
+        key = (schedule, self.pipeline_parallel_size, plan.num_microbatches)
+        program = self._programs.get(key)
+        if program is None:
+            program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
+            validate(program)
+            self._programs = {**dict(list(self._programs.items())[-15:]), key: program}
+        return program
+
+    def propose(self, proposal: PlanProposal) -> None:
+        """Propose changes to the next step's plan (from a callback's ``on_train_batch_start``).
+
+        Proposals of all callbacks are merged by the documented rule (``planning/proposals.py``) and
+        the result is applied once, before the step. Call it on every rank with the same proposal.
+        """
+        if not isinstance(proposal, PlanProposal):
+            raise TypeError(f"`{type(self).__name__}.propose` takes a PlanProposal, got {type(proposal).__name__}.")
+        self._proposals.append(proposal)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """After every callback's ``on_train_batch_start``: merge the proposals, apply one plan."""
+        proposals, self._proposals = self._proposals, []
+        self.last_application = apply_proposals(self, proposals, batch_idx)
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
         """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.
@@ -583,21 +620,31 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def split_batch(self, batch: Any) -> SplitBatch:
+    def split_batch(self, batch: Any, plan: PipelinePlan | None = None) -> SplitBatch:
         """The microbatch plan of ``batch`` and its microbatches, cut once.
 
         The step, the memory planner, the cost probes and the profilers all call this; the latest
         batches' splits are kept, so a batch a callback looked at is not cut again by the step.
 
+        Args:
+            batch: the batch.
+            plan: whose microbatching to use (count and sizes); None: the running plan's. Sizes
+                that do not sum to this batch's samples (a validation batch after a sized training
+                batch) give way to an even split.
+
         Raises:
             ValueError: the batch cannot be cut unambiguously (``runtime/microbatch.py``).
         """
-        for seen, split in self._splits:
-            if seen is batch:
+        count = self.num_microbatches if plan is None else plan.num_microbatches
+        sizes = self._microbatch_sizes if plan is None else plan.microbatch_sizes
+        for seen, key, split in self._splits:
+            if seen is batch and key == (count, sizes):
                 return split
-        plan = plan_microbatches(batch, self.num_microbatches, 0 if self._batch_dim is None else self._batch_dim)
-        split = SplitBatch(plan, plan.split(batch))
-        self._splits = [(batch, split)] + self._splits[:1]
+        batch_dim = 0 if self._batch_dim is None else self._batch_dim
+        even = plan_microbatches(batch, count, batch_dim)
+        planned = even if sizes is None or sum(sizes) != even.batch_size else plan_microbatches(batch, count, batch_dim, microbatch_sizes=sizes)
+        split = SplitBatch(planned, planned.split(batch))
+        self._splits = [(batch, (count, sizes), split)] + self._splits[:2]
         return split
 
     def _program_for(self, num_microbatches: int, train: bool) -> Program:
