@@ -68,3 +68,23 @@ class SaveFullState(L.Callback):
             import torch
 
             torch.save(state, self.path)
+
+
+class BalancedMicrobatches(L.Callback):
+    """Propose microbatch sizes balancing each batch's counted labels (``labels != -100``) per microbatch.
+
+    Records the sizes of every batch in ``sizes`` (the same on every rank).
+    """
+
+    def __init__(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+        self.sizes: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_pipe.planning.microbatching import balance_microbatch_sizes
+        from lightning_pipe.planning.proposals import PlanProposal
+
+        counted = (batch["labels"] != -100).sum(1).tolist()
+        sizes = balance_microbatch_sizes(counted, self.num_microbatches)
+        self.sizes.append(sizes)
+        trainer.strategy.propose(PlanProposal("BalancedMicrobatches", microbatch_sizes=sizes))
