@@ -11,9 +11,12 @@ for every family and every microbatching (count x even/balanced sizes), it price
 * ``fit``: the exact fastest partition whose peak fits the budget without recomputation;
 * ``recompute``: the exact fastest partition that fits with every block fully recomputed, then
   ``plan_memory`` on it (which recomputes only where needed);
-* ``current``: the partition in use, with the fastest memory plan for it;
+* ``current``: the partition in use, with the fastest memory plan for it (and any ``partitions``
+  given, such as each family's static partition);
 
-and returns the plan with the smallest simulated step time that fits. Memory plans only add time
+and returns the plan with the smallest simulated step time that fits, plus the seconds of moving to
+it when a ``migration`` price is given (the migration-cost trigger: a plan that moves units must
+gain more than the move costs). Memory plans only add time
 (recompute and offload stalls lengthen actions; the simulated step time is monotone in action
 durations), so the ``free`` partition's step time without a memory plan is a lower bound for every
 partition and memory plan of that (family, microbatching); the smallest such bound gives the
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_pipe.planning.cost_model import CostModel, LinearCost
@@ -110,9 +113,12 @@ class JointPlan:
         plan: the chosen plan.
         step_seconds: its simulated step time.
         lower_bound_seconds: no plan of the searched families and microbatchings is faster.
-        gap: ``step_seconds / lower_bound_seconds - 1`` (0: proven optimal).
+        gap: ``fastest candidate's step / lower_bound_seconds - 1`` (0: proven optimal): the search's
+            optimality gap. The chosen plan may be slower than the fastest by less than the
+            migration it avoids.
         candidates: every priced candidate.
         planning_seconds: wall seconds of the search.
+        migration_seconds: the price of moving to the chosen plan (0 without a ``migration`` price).
     """
 
     plan: PipelinePlan
@@ -121,6 +127,7 @@ class JointPlan:
     gap: float
     candidates: tuple[JointCandidate, ...] = field(repr=False)
     planning_seconds: float = 0.0
+    migration_seconds: float = 0.0
 
     def best_where(self, **fixed: object) -> float:
         """The best step time among candidates whose plan has the given parts (``schedule=``,
@@ -196,6 +203,8 @@ def plan_joint(
     profile: MemoryProfile | None = None,
     config: JointConfig = JointConfig(),
     current: PipelinePlan | None = None,
+    partitions: Sequence[Sequence[int]] = (),
+    migration: Callable[[PipelinePlan], float] | None = None,
 ) -> JointPlan:
     """The fastest (partition, family, microbatching, memory plan) for one batch under ``budget``.
 
@@ -207,6 +216,9 @@ def plan_joint(
         profile: saved bytes per unit and recompute mode; default from ``cost_model``.
         config: what may be chosen.
         current: the plan in use (its partition is priced too, for the migration trigger).
+        partitions: more partitions to price where their stage count fits a family (static ones).
+        migration: seconds of moving from the plan in use to a plan; the choice minimises step plus
+            migration seconds. None: moving is free.
 
     Returns:
         The :class:`JointPlan` (its ``gap`` is the stated optimality gap).
@@ -233,7 +245,7 @@ def plan_joint(
             for sizes, mode in splits.items():
                 _price(
                     candidates, bounds, cost_model, recompute_model, profile, lengths, schedule, sizes, mode,
-                    num_ranks, limit, config, current,
+                    num_ranks, limit, config, current, partitions,
                 )
     lower = min(bounds, default=math.inf)
     fitting = [c for c in candidates if math.isfinite(c.step_seconds)]
@@ -242,15 +254,21 @@ def plan_joint(
             f"No plan fits the budget of {budget} bytes per device with families {list(config.families)} and "
             f"microbatch counts {list(config.counts(num_ranks))}: allow more microbatches, offload, or more stages."
         )
-    best = min(fitting, key=lambda c: (c.step_seconds, c.origin != "current", c.plan.schedule.name))
-    gap = best.step_seconds / lower - 1.0 if lower > 0 else 0.0
-    return JointPlan(best.plan, best.step_seconds, lower, max(gap, 0.0), tuple(candidates), time.perf_counter() - started)
+    price = migration or (lambda plan: 0.0)
+    moves = {id(c): price(c.plan) for c in fitting}
+    best = min(fitting, key=lambda c: (c.step_seconds + moves[id(c)], c.origin != "current", c.plan.schedule.name))
+    fastest = min(c.step_seconds for c in fitting)
+    gap = fastest / lower - 1.0 if lower > 0 else 0.0
+    return JointPlan(
+        best.plan, best.step_seconds, lower, max(gap, 0.0), tuple(candidates), time.perf_counter() - started, moves[id(best)]
+    )
 
 
 def _price(
     candidates: list[JointCandidate], bounds: list[float], cost_model: CostModel, recompute_model: CostModel,
     profile: MemoryProfile, lengths: Sequence[int], schedule: Schedule, sizes: tuple[int, ...], mode: str,
     num_ranks: int, limit: float | None, config: JointConfig, current: PipelinePlan | None,
+    extra: Sequence[Sequence[int]],
 ) -> None:
     shapes = microbatch_shapes(lengths, sizes)
     count = len(shapes)
@@ -271,8 +289,12 @@ def _price(
             except ValueError:
                 continue
             partitions.setdefault(found.boundaries, origin)
-    if current is not None and len(current.boundaries) - 1 == num_ranks * schedule.stages_per_rank:
+    num_stages = num_ranks * schedule.stages_per_rank
+    if current is not None and len(current.boundaries) - 1 == num_stages:
         partitions.setdefault(tuple(current.boundaries), "current")
+    for boundaries in extra:
+        if len(boundaries) - 1 == num_stages:
+            partitions.setdefault(tuple(int(b) for b in boundaries), "given")
     for boundaries, origin in partitions.items():
         plan = PipelinePlan(boundaries, schedule, count, None, sizes if mode == BALANCED else None)
         seconds, planned = evaluate_plan(cost_model, lengths, plan, num_ranks, limit, profile=profile, config=config)
