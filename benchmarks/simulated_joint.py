@@ -59,8 +59,13 @@ from lightning_pipe.planning import (  # noqa: E402
     gpt_7b,
     plan_partition,
 )
-from lightning_pipe.planning.boundaries import unit_ranges  # noqa: E402
-from lightning_pipe.planning.joint import JointConfig, evaluate_plan, memory_profile_from_cost_model, plan_joint  # noqa: E402
+from lightning_pipe.planning.joint import (  # noqa: E402
+    JointConfig,
+    evaluate_plan,
+    memory_profile_from_cost_model,
+    plan_joint,
+    plan_migration_seconds,
+)
 from lightning_pipe.planning.memory_model import predict_memory  # noqa: E402
 from lightning_pipe.planning.microbatching import (  # noqa: E402
     balance_microbatch_sizes,
@@ -107,25 +112,8 @@ class Row:
 
 
 def migration_seconds(model: CostModel, old: PipelinePlan | None, new: PipelinePlan, ranks: int, bandwidth: float) -> float:
-    """Bytes of units whose rank changes, on the busiest rank (sent or received), over ``bandwidth``."""
-    if old is None:
-        return 0.0
-
-    def unit_ranks(plan: PipelinePlan) -> list[int]:
-        program = plan.schedule.build(ranks, ranks)
-        owner = [0] * len(model.units)
-        for stage, (start, stop) in enumerate(unit_ranges(plan.boundaries, model.num_blocks)):
-            for unit in range(start, stop):
-                owner[unit] = program.stage_to_rank[stage]
-        return owner
-
-    before, after = unit_ranks(old), unit_ranks(new)
-    load = [0.0] * ranks
-    for unit, (a, b) in enumerate(zip(before, after)):
-        if a != b:
-            load[a] += model.units[unit].static_bytes
-            load[b] += model.units[unit].static_bytes
-    return max(load) / bandwidth
+    """Seconds of moving between plans (``planning.joint.plan_migration_seconds``)."""
+    return plan_migration_seconds(model, old, new, ranks, bandwidth)
 
 
 class Runner:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from lightning_pipe.planning.boundaries import unit_ranges
 from lightning_pipe.planning.cost_model import CostModel, LinearCost
 from lightning_pipe.planning.memory_model import FULL, NONE, OFFLOAD, MemoryPlan, MemoryProfile, UnitMemory, predict_memory
 from lightning_pipe.planning.memory_planner import MemoryBudgetError, plan_memory, step_seconds
@@ -50,7 +51,15 @@ from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.schedules import Schedule, resolve_schedule
 
-__all__ = ["JointCandidate", "JointConfig", "JointPlan", "memory_profile_from_cost_model", "plan_joint", "evaluate_plan"]
+__all__ = [
+    "JointCandidate",
+    "JointConfig",
+    "JointPlan",
+    "evaluate_plan",
+    "memory_profile_from_cost_model",
+    "plan_joint",
+    "plan_migration_seconds",
+]
 
 EVEN, BALANCED = "even", "balanced"
 
@@ -142,6 +151,32 @@ class JointPlan:
             if all(values[k] == v for k, v in fixed.items()):
                 best = min(best, c.step_seconds)
         return best
+
+
+def plan_migration_seconds(
+    cost_model: CostModel, old: PipelinePlan | None, new: PipelinePlan, num_ranks: int, bandwidth: float | None = None
+) -> float:
+    """Seconds to move from ``old`` to ``new``: static bytes (parameters, gradients, optimizer state)
+    of the units whose rank changes, on the busiest rank (sent plus received), over ``bandwidth``
+    (default the cost model's link). Works across families with other stage counts or placements."""
+    if old is None:
+        return 0.0
+    link = cost_model.bandwidth if bandwidth is None else bandwidth
+
+    def unit_ranks(plan: PipelinePlan) -> list[int]:
+        program = plan.schedule.build(num_ranks, num_ranks)
+        owner = [0] * len(cost_model.units)
+        for stage, (start, stop) in enumerate(unit_ranges(plan.boundaries, cost_model.num_blocks)):
+            for unit in range(start, stop):
+                owner[unit] = program.stage_to_rank[stage]
+        return owner
+
+    load = [0.0] * num_ranks
+    for unit, (a, b) in enumerate(zip(unit_ranks(old), unit_ranks(new))):
+        if a != b:
+            load[a] += cost_model.units[unit].static_bytes
+            load[b] += cost_model.units[unit].static_bytes
+    return max(load) / link if math.isfinite(link) else 0.0
 
 
 def memory_profile_from_cost_model(cost_model: CostModel) -> MemoryProfile:
