@@ -31,7 +31,7 @@ How it was run (numbers in docs/joint-planning.md and the README)::
 
     python benchmarks/simulated_joint.py --batches 6 --plot docs/img/joint_planner.png
 
-on 2 CPU cores (``--workers 2``); it prints its wall time. ``--quick`` runs one small configuration.
+on 2 CPU cores shared with other jobs (``--workers 2``); it prints its wall time. ``--quick`` runs one small configuration.
 """
 
 from __future__ import annotations
@@ -355,11 +355,13 @@ def main(argv: list[str] | None = None) -> None:
         for stages in args.stages.split(",")
         for budget in args.budgets.split(",")
     ]
-    if args.workers > 1:
-        with ProcessPoolExecutor(args.workers) as pool:
-            rows = list(pool.map(run_configuration, jobs))
-    else:
-        rows = [run_configuration(job) for job in jobs]
+    jobs.sort(key=lambda job: (job[3], job[2]))  # cheap configurations first
+    rows = []
+    with ProcessPoolExecutor(args.workers) as pool:
+        for row in pool.map(run_configuration, jobs):
+            rows.append(row)
+            values = ", ".join(f"{name} {row.throughput(name):,.0f}" for name in POLICIES)
+            print(f"done {row.trace} {row.model} S={row.stages} {row.budget}: {values} tok/s", flush=True)
     render(rows, args, time.perf_counter() - started)
     if args.plot:
         plot(rows, args.plot)

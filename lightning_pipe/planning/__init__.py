@@ -4,6 +4,9 @@ Numbers in, numbers out (numpy and scipy; no torch, no Lightning, no processes).
 :mod:`lightning_pipe.schedules` to simulate programs. See ``docs/repartitioning.md`` and
 ``docs/memory.md``.
 
+Plans: :class:`PipelinePlan` (typed parts), :class:`PlanProposal` and :func:`merge_proposals` (one
+plan per step from many planners), :func:`plan_joint` (all levers together, ``joint.py``).
+
 Public API: the names in ``__all__`` below. Modules ``bounds`` and ``batch_simulation`` are the
 planner's machinery and may change.
 """
@@ -18,11 +21,14 @@ from lightning_pipe.planning.boundaries import (
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost, UnitTables
 from lightning_pipe.planning.fit import LinearFit, TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
 from lightning_pipe.planning.gpt import gpt_1_3b, gpt_7b, gpt_cost_model
+from lightning_pipe.planning.joint import JointCandidate, JointConfig, JointPlan, plan_joint
 from lightning_pipe.planning.memory_model import MemoryPlan, MemoryPrediction, MemoryProfile, StageMemory, predict_memory
 from lightning_pipe.planning.memory_planner import MemoryBudgetError, MemoryPlanResult, plan_memory
+from lightning_pipe.planning.microbatching import balance_microbatch_sizes, even_microbatch_sizes, sample_costs
 from lightning_pipe.planning.migration import MigrationCalibration, MigrationEstimate, estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.proposals import MergedPlan, PlanProposal, merge_proposals
 from lightning_pipe.planning.traces import (
     LengthTrace,
     flan_like_trace,
@@ -42,6 +48,9 @@ from lightning_pipe.planning.trigger import (
 # Public API: everything below; the other modules (`bounds`, `batch_simulation`) are machinery.
 __all__ = [
     "CostModel",
+    "JointCandidate",
+    "JointConfig",
+    "JointPlan",
     "LengthTrace",
     "LinearCost",
     "LinearFit",
@@ -49,12 +58,14 @@ __all__ = [
     "MemoryPlan",
     "MemoryPlanResult",
     "MemoryPrediction",
+    "MergedPlan",
     "MemoryProfile",
     "MicrobatchShape",
     "MigrationCalibration",
     "MigrationEstimate",
     "PartitionPlan",
     "PipelinePlan",
+    "PlanProposal",
     "StageMemory",
     "StepPrediction",
     "TimingSample",
@@ -63,10 +74,12 @@ __all__ = [
     "UnitCost",
     "UnitFit",
     "UnitTables",
+    "balance_microbatch_sizes",
     "balanced_partition",
     "check_boundaries",
     "decide_repartition",
     "estimate_migration",
+    "even_microbatch_sizes",
     "evaluate_partition",
     "fit_linear_cost",
     "fit_unit_cost",
@@ -75,12 +88,15 @@ __all__ = [
     "gpt_1_3b",
     "gpt_7b",
     "gpt_cost_model",
+    "merge_proposals",
+    "plan_joint",
     "plan_memory",
     "plan_partition",
     "predict_memory",
     "predicted_gain",
     "random_partition",
     "sample_flan_lengths",
+    "sample_costs",
     "sample_github_lengths",
     "split_microbatches",
     "uniform_partition",
