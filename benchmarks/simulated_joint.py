@@ -42,6 +42,7 @@ import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="PNG of throughput relative to static")
     args = parser.parse_args(argv)
     if args.quick:
-        args.batches, args.models, args.stages, args.traces = 3, "1.3b", "4", "flan"
+        args.batches, args.models, args.stages, args.traces, args.workers = 2, "1.3b", "4", "flan", 1
     started = time.perf_counter()
     traces = {
         "flan": list(flan_like_trace(args.batches, batch_size=64, seed=args.seed).batches),
@@ -357,8 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     jobs.sort(key=lambda job: (job[3], job[2]))  # cheap configurations first
     rows = []
-    with ProcessPoolExecutor(args.workers) as pool:
-        for row in pool.map(run_configuration, jobs):
+    with ProcessPoolExecutor(args.workers) if args.workers > 1 else nullcontext() as pool:
+        for row in pool.map(run_configuration, jobs) if pool is not None else map(run_configuration, jobs):
             rows.append(row)
             values = ", ".join(f"{name} {row.throughput(name):,.0f}" for name in POLICIES)
             print(f"done {row.trace} {row.model} S={row.stages} {row.budget}: {values} tok/s", flush=True)

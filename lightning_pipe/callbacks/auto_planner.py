@@ -142,7 +142,7 @@ class AutoPlanner(L.Callback):
         if memory_method not in ("greedy", "milp"):
             raise ValueError(f"`AutoPlanner(memory_method={memory_method!r})`: use 'greedy' or 'milp'.")
         if horizon_steps < 1 or margin < 0:
-            raise ValueError(f"`AutoPlanner`: horizon_steps must be >= 1 and margin >= 0, got {horizon_steps}, {margin}.")
+            raise ValueError(f"`AutoPlanner`: horizon_steps must be >= 1 and margin >= 0, got {horizon_steps}, {margin}")
         self.budget = None if budget is None else parse_size(budget)
         self.families = tuple(families)
         self.microbatch_counts = None if microbatch_counts is None else tuple(microbatch_counts)
@@ -174,7 +174,9 @@ class AutoPlanner(L.Callback):
 
     # --- hooks -------------------------------------------------------------------------------------
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """Take (or make) this batch's joint plan, propose it, and start planning the next batch."""
         strategy = trainer.strategy
         costs = strategy.costs
@@ -211,7 +213,9 @@ class AutoPlanner(L.Callback):
         if self.lookahead and all(e[1] is not None for e in everyone):
             upcoming_lengths = self._heaviest([e[1] for e in everyone])
             next_running = PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, plan.memory)
-            next_key = (tuple(upcoming_lengths), next_running.boundaries, next_running.schedule, next_running.num_microbatches)
+            next_key = (
+                tuple(upcoming_lengths), next_running.boundaries, next_running.schedule, next_running.num_microbatches
+            )
             self._job = _Job(next_key, lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile))
         self._pending = {
             "batch_idx": batch_idx, "result": result, "looked_ahead": looked_ahead, "running": running,
@@ -249,7 +253,7 @@ class AutoPlanner(L.Callback):
             "auto/balanced_microbatches": float(step.plan.microbatch_sizes is not None),
             "auto/memory_plan": float(step.plan.memory is not None and not step.plan.memory.is_empty),
         }
-        metrics.update({f"auto/bought_{lever}_s": seconds for lever, seconds in bought.items() if math.isfinite(seconds)})
+        metrics.update({f"auto/bought_{lever}_s": s for lever, s in bought.items() if math.isfinite(s)})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         log.debug("AutoPlanner: %s", step)
 
@@ -268,7 +272,9 @@ class AutoPlanner(L.Callback):
             relative_gap=self.relative_gap,
         )
 
-    def _plan(self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any) -> JointPlan:
+    def _plan(
+        self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any
+    ) -> JointPlan:
         model = self._model
         assert model is not None
         ranks = strategy.pipeline_parallel_size

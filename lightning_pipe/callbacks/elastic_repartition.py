@@ -232,7 +232,8 @@ class ElasticRepartition(L.Callback):
 
         decision = self._decide(strategy, trainer, plan, batch_idx)
         if decision.migrate:
-            strategy.propose(PlanProposal(type(self).__name__, boundaries=plan.candidate.boundaries, priority=self.priority))
+            proposal = PlanProposal(type(self).__name__, boundaries=plan.candidate.boundaries, priority=self.priority)
+            strategy.propose(proposal)
         predicted = plan.candidate.step_seconds if decision.migrate else plan.current.step_seconds
         self._recent.append(shapes)
 

@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 
 from lightning_pipe.planning.boundaries import unit_ranges
 from lightning_pipe.planning.cost_model import CostModel, LinearCost
-from lightning_pipe.planning.memory_model import FULL, NONE, OFFLOAD, MemoryPlan, MemoryProfile, UnitMemory, predict_memory
+from lightning_pipe.planning.memory_model import (
+    FULL,
+    NONE,
+    OFFLOAD,
+    MemoryPlan,
+    MemoryProfile,
+    UnitMemory,
+    predict_memory,
+)
 from lightning_pipe.planning.memory_planner import MemoryBudgetError, plan_memory, step_seconds
 from lightning_pipe.planning.microbatching import (
     balance_microbatch_sizes,
@@ -145,8 +153,8 @@ class JointPlan:
         best = math.inf
         for c in self.candidates:
             values = {
-                "schedule": c.plan.schedule.name, "boundaries": c.plan.boundaries, "num_microbatches": c.plan.num_microbatches,
-                "microbatching": c.microbatching, "memory": c.plan.memory,
+                "schedule": c.plan.schedule.name, "boundaries": c.plan.boundaries,
+                "num_microbatches": c.plan.num_microbatches, "microbatching": c.microbatching, "memory": c.plan.memory,
             }
             if all(values[k] == v for k, v in fixed.items()):
                 best = min(best, c.step_seconds)
@@ -275,7 +283,10 @@ def plan_joint(
         for count in config.counts(num_ranks):
             splits = {}
             for mode in config.microbatching:
-                sizes = even_microbatch_sizes(len(lengths), count) if mode == EVEN else balance_microbatch_sizes(per_sample, count)
+                if mode == EVEN:
+                    sizes = even_microbatch_sizes(len(lengths), count)
+                else:
+                    sizes = balance_microbatch_sizes(per_sample, count)
                 splits.setdefault(sizes, mode)  # balanced == even: price once
             for sizes, mode in splits.items():
                 _price(
@@ -295,7 +306,8 @@ def plan_joint(
     fastest = min(c.step_seconds for c in fitting)
     gap = fastest / lower - 1.0 if lower > 0 else 0.0
     return JointPlan(
-        best.plan, best.step_seconds, lower, max(gap, 0.0), tuple(candidates), time.perf_counter() - started, moves[id(best)]
+        best.plan, best.step_seconds, lower, max(gap, 0.0), tuple(candidates), time.perf_counter() - started,
+        moves[id(best)],
     )
 
 

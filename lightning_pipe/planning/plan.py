@@ -51,7 +51,8 @@ class PipelinePlan:
             object.__setattr__(self, "memory", MemoryPlan.from_dict(self.memory) if self.memory else None)
         elif self.memory is not None and not isinstance(self.memory, MemoryPlan):
             raise TypeError(f"`PipelinePlan.memory` must be a MemoryPlan or None, got {type(self.memory).__name__}.")
-        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+        count = self.num_microbatches
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"`PipelinePlan.num_microbatches` must be an integer >= 1, got {self.num_microbatches!r}.")
         if self.microbatch_sizes is not None:
             sizes = check_microbatch_sizes(self.microbatch_sizes)

@@ -77,12 +77,15 @@ class PlanProposal:
             sizes = check_microbatch_sizes(self.microbatch_sizes)
             if self.num_microbatches is not None and self.num_microbatches != len(sizes):
                 raise ValueError(
-                    f"`PlanProposal({self.source!r})`: {len(sizes)} microbatch sizes but num_microbatches={self.num_microbatches}."
+                    f"`PlanProposal({self.source!r})`: {len(sizes)} microbatch sizes but "
+                    f"num_microbatches={self.num_microbatches}."
                 )
             object.__setattr__(self, "microbatch_sizes", sizes)
             object.__setattr__(self, "num_microbatches", len(sizes))
         if self.num_microbatches is not None and (isinstance(self.num_microbatches, bool) or self.num_microbatches < 1):
-            raise ValueError(f"`PlanProposal({self.source!r})`: num_microbatches must be >= 1, got {self.num_microbatches!r}.")
+            raise ValueError(
+                f"`PlanProposal({self.source!r})`: num_microbatches must be >= 1, got {self.num_microbatches!r}."
+            )
         if self.memory is not None and not (isinstance(self.memory, MemoryPlan) or callable(self.memory)):
             raise TypeError(
                 f"`PlanProposal({self.source!r}).memory` must be a MemoryPlan or a function of the draft plan, "

@@ -200,9 +200,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.loss_weights = loss_weights
         self._allow_sample_mixing = allow_sample_mixing
         self._warned_sample_mixing = False
-        self._splits: list[tuple[Any, tuple, SplitBatch]] = []  # latest splits: (batch kept to compare, (count, sizes), split)
+        self._splits: list[tuple[Any, tuple, SplitBatch]] = []  # latest: (batch kept to compare, (count, sizes), split)
         self._short_programs: dict[int, Program] = {}
-        self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds, one per (family, ranks, count)
+        self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds per (family, ranks, count)
         self._microbatch_sizes: tuple[int, ...] | None = None
         self._proposals: list[PlanProposal] = []
         self.last_application: PlanApplication | None = None  # how the latest step's plan was merged and applied
@@ -642,7 +642,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 return split
         batch_dim = 0 if self._batch_dim is None else self._batch_dim
         even = plan_microbatches(batch, count, batch_dim)
-        planned = even if sizes is None or sum(sizes) != even.batch_size else plan_microbatches(batch, count, batch_dim, microbatch_sizes=sizes)
+        if sizes is None or sum(sizes) != even.batch_size:
+            planned = even
+        else:
+            planned = plan_microbatches(batch, count, batch_dim, microbatch_sizes=sizes)
         split = SplitBatch(planned, planned.split(batch))
         self._splits = [(batch, (count, sizes), split)] + self._splits[:2]
         return split

@@ -22,6 +22,7 @@ REGENERATED = {
         "--stages", "4", "--plot", "{out}",
     ],
     "docs/img/memory_budget.png": ["benchmarks/simulated_memory.py", "--quick", "--plot", "{out}"],
+    "docs/img/joint_planner.png": ["benchmarks/simulated_joint.py", "--quick", "--plot", "{out}"],
 }
 DRAWN_ELSEWHERE = {"docs/img/measured_1f1b_step.png"}
 
