@@ -45,3 +45,23 @@ def test_auto_planner_rejects_other_strategies():
         trainer.fit(TinyGPT(layers=2), torch.utils.data.DataLoader([torch.randint(0, 32, (2, 5))], batch_size=None))
     with pytest.raises(ValueError, match="'even' and/or 'balanced'"):
         AutoPlanner(microbatching=("sorted",))
+
+
+def test_auto_planner_under_a_binding_budget(tmp_path):
+    """Long batches need recomputation: the joint plan carries a memory plan, the accounted bytes stay
+    under the budget (the strategy enforces it), and the result is exact."""
+    from tests.helpers.models import TinyGPT
+    from tests.helpers.training import token_batches
+    from tests.strategies.test_memory_plans import _budget
+
+    batches = token_batches(2, batch_size=4, lengths=[16, 16])
+    budget, none_peak = _budget(batches[0])
+    assert none_peak > budget
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    planner = AutoPlanner(budget=budget, families=("1f1b", "gpipe"), microbatch_counts=(4,))
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, start_method=START_METHOD)
+    pipelined = fit(make, batches, strategy, devices=2, steps=2, callbacks=[planner], log_dir=tmp_path / "pipe")
+    reference = fit(make, reference_batches(batches, 1), steps=2)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    assert logged(tmp_path / "pipe", "auto/memory_plan") == [1.0, 1.0]
+    assert all(g >= 0 for g in logged(tmp_path / "pipe", "auto/gap"))
