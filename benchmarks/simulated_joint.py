@@ -37,7 +37,9 @@ on 2 CPU cores shared with other jobs (``--workers 2``); it prints its wall time
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import pickle
 import platform
 import sys
 import time
@@ -81,6 +83,7 @@ GIB = 2**30
 MODELS = {"1.3b": gpt_1_3b, "7b": gpt_7b}
 POLICIES = ("static", "repartition", "family", "memory", "microbatch", "sequential", "joint")
 SINGLE = ("repartition", "family", "memory", "microbatch")
+LIMIT = 5.0  # seconds a partition search under the budget may take (as the joint planner's default)
 
 
 @dataclass
@@ -134,7 +137,10 @@ class Runner:
         longest = max(range(len(trace)), key=lambda i: (max(trace[i]), sum(trace[i])))
         self.longest = trace[longest]
         self.limit = None if budget == "none" else self._tight_budget()
-        self.static = {f: self._static_plan(f) for f in self.families}
+        static = {f: self._static_plan(f) for f in self.families}
+        self.static = {f: plan for f, plan in static.items() if plan is not None}  # families that fit at all
+        self.families = tuple(self.static)
+        self.config = dataclasses.replace(self.config, families=self.families)
 
     def shapes(self, lengths, sizes=None):
         return microbatch_shapes(lengths, sizes or even_microbatch_sizes(len(lengths), self.count))
@@ -147,20 +153,27 @@ class Runner:
         fraction = self.args.budget_fraction
         while True:
             try:
-                plan_partition(self.recompute_model, shapes, "1f1b", self.stages, fraction * need)
+                plan_partition(self.recompute_model, shapes, "1f1b", self.stages, fraction * need, time_limit=LIMIT)
                 return fraction * need
             except ValueError:
                 fraction += 0.1
 
-    def _static_plan(self, family: str) -> PipelinePlan:
-        """The best plan of ``family`` for the longest batch, full recompute when nothing fits without."""
+    def _static_plan(self, family: str) -> PipelinePlan | None:
+        """The best plan of ``family`` for the longest batch, full recompute when nothing fits without
+        (None when nothing is found)."""
         shapes = self.shapes(self.longest)
         try:
-            boundaries = plan_partition(self.model, shapes, family, self.stages, self.limit).boundaries
+            boundaries = plan_partition(self.model, shapes, family, self.stages, self.limit, time_limit=LIMIT).boundaries
             return PipelinePlan(boundaries, family, len(shapes))
         except ValueError:
-            boundaries = plan_partition(self.recompute_model, shapes, family, self.stages, self.limit).boundaries
-            return PipelinePlan(boundaries, family, len(shapes), MemoryPlan.from_options("full"))
+            pass
+        try:
+            boundaries = plan_partition(
+                self.recompute_model, shapes, family, self.stages, self.limit, time_limit=LIMIT
+            ).boundaries
+        except ValueError:
+            return None
+        return PipelinePlan(boundaries, family, len(shapes), MemoryPlan.from_options("full"))
 
     def price(self, lengths, plan: PipelinePlan, plan_memory: bool = False) -> tuple[float, PipelinePlan]:
         """Step seconds of ``plan`` on a batch (inf if it does not fit); with ``plan_memory`` the best
@@ -188,7 +201,9 @@ class Runner:
         shapes = self.shapes(lengths)
         for model in (self.model, self.recompute_model):
             try:
-                boundaries = plan_partition(model, shapes, family, self.stages, self.limit, relative_gap=self.args.gap).boundaries
+                boundaries = plan_partition(
+                    model, shapes, family, self.stages, self.limit, relative_gap=self.args.gap, time_limit=LIMIT
+                ).boundaries
             except ValueError:
                 continue
             seconds, plan = self.static_rule(lengths, boundaries, family)
@@ -323,6 +338,16 @@ def plot(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _read_rows(path: Path) -> list[Row]:
+    rows = []
+    with open(path, "rb") as f:
+        while True:
+            try:
+                rows.append(pickle.load(f))
+            except EOFError:
+                return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the options, run every configuration (in ``--workers`` processes), print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -341,7 +366,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--plot", type=Path, help="PNG of throughput relative to static")
+    parser.add_argument("--save", type=Path, help="append every finished row to this file (pickle lines)")
+    parser.add_argument("--load", type=Path, nargs="*", help="render and plot saved rows instead of running")
     args = parser.parse_args(argv)
+    if args.load:
+        rows = [row for path in args.load for row in _read_rows(path)]
+        render(rows, args, 0.0)
+        if args.plot:
+            plot(rows, args.plot)
+            print(f"wrote {args.plot}")
+        return
     if args.quick:
         args.batches, args.models, args.stages, args.traces, args.workers = 2, "1.3b", "4", "flan", 1
     started = time.perf_counter()
@@ -361,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     with ProcessPoolExecutor(args.workers) if args.workers > 1 else nullcontext() as pool:
         for row in pool.map(run_configuration, jobs) if pool is not None else map(run_configuration, jobs):
             rows.append(row)
+            if args.save:
+                with open(args.save, "ab") as f:
+                    pickle.dump(row, f)
             values = ", ".join(f"{name} {row.throughput(name):,.0f}" for name in POLICIES)
             print(f"done {row.trace} {row.model} S={row.stages} {row.budget}: {values} tok/s", flush=True)
     render(rows, args, time.perf_counter() - started)

@@ -10,9 +10,9 @@ strategy's merge (``planning/proposals.py``) lets it win every part it sets.
 
 Lookahead: Lightning's loop has the next batch ready, so while batch ``k`` trains a background
 thread plans batch ``k + 1`` for the plan batch ``k`` runs; batch ``k + 1`` takes it if that plan is
-still the running one. Planning is pure (numpy/scipy) and deterministic with the greedy memory
-method, so every rank computes the same plan; with ``memory_method="milp"`` (time-limited, so
-timing-dependent) the plan of global rank 0 is broadcast.
+still the running one. Planning is pure (numpy/scipy), but its searches under the budget are
+time-limited (``partition_time_limit``, the MILP's limit), so the result may depend on the machine's
+load: global rank 0's plan is broadcast to every rank.
 
 It explains its choice through the Lightning logger every step: ``auto/predicted_step_s``,
 ``auto/measured_step_s`` (after the plan was applied to the end of the batch, the maximum over
@@ -115,6 +115,7 @@ class AutoPlanner(L.Callback):
         margin: a move must gain this fraction more than the migration costs.
         horizon_steps: steps a gain is assumed to last.
         relative_gap: partitions within this fraction of the optimum are accepted (faster planning).
+        partition_time_limit: seconds a partition search under the budget may take.
         lookahead: plan the next batch in the background while the current one trains.
         priority: the proposal's priority (high: the joint plan wins the parts it sets).
     """
@@ -132,6 +133,7 @@ class AutoPlanner(L.Callback):
         margin: float = 0.25,
         horizon_steps: int = 16,
         relative_gap: float = 0.0,
+        partition_time_limit: float | None = 5.0,
         lookahead: bool = True,
         priority: int = 100,
     ) -> None:
@@ -154,6 +156,7 @@ class AutoPlanner(L.Callback):
         self.margin = margin
         self.horizon_steps = horizon_steps
         self.relative_gap = relative_gap
+        self.partition_time_limit = partition_time_limit
         self.lookahead = lookahead
         self.priority = priority
         self.history: list[AutoPlanStep] = []
@@ -200,8 +203,8 @@ class AutoPlanner(L.Callback):
         if self._job is not None and not looked_ahead:
             self._job.join()  # stale: the running plan or the batch differs from what was planned for
         self._job = None
-        if self.memory_method == "milp" and strategy.world_size > 1:
-            result = strategy.broadcast(result, src=0)  # a time-limited MILP may differ between ranks
+        if strategy.world_size > 1:  # time-limited searches (partition, MILP) may differ between ranks
+            result = strategy.broadcast(result, src=0)
         plan = result.plan
         strategy.propose(
             PlanProposal(
@@ -269,7 +272,7 @@ class AutoPlanner(L.Callback):
         return JointConfig(
             families=self.families, microbatch_counts=self.microbatch_counts or (strategy.num_microbatches,),
             microbatching=self.microbatching, memory_options=self.memory_options, memory_method=self.memory_method,
-            relative_gap=self.relative_gap,
+            relative_gap=self.relative_gap, partition_time_limit=self.partition_time_limit,
         )
 
     def _plan(

@@ -87,6 +87,9 @@ class JointConfig:
         relative_gap: partitions within this fraction of the optimum are accepted (faster; the
             stated gap accounts for it).
         memory_time_limit: seconds the MILP may take per memory plan.
+        partition_time_limit: seconds a partition search under the budget may take (the best found
+            is used after; proving that nothing fits can be slow). The unconstrained search that gives
+            the lower bound always runs to the end.
     """
 
     families: tuple = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b")
@@ -97,6 +100,7 @@ class JointConfig:
     host_bandwidth: float = 25e9
     relative_gap: float = 0.0
     memory_time_limit: float = 5.0
+    partition_time_limit: float | None = 5.0
 
     def counts(self, num_ranks: int) -> tuple[int, ...]:
         """The microbatch counts for ``num_ranks`` pipeline ranks."""
@@ -332,7 +336,9 @@ def _price(
     if limit is not None and not free.fits(limit):
         for model, origin in ((cost_model, "fit"), (recompute_model, "recompute")):
             try:
-                found = plan_partition(model, shapes, schedule, num_ranks, limit, relative_gap=gap)
+                found = plan_partition(
+                    model, shapes, schedule, num_ranks, limit, relative_gap=gap, time_limit=config.partition_time_limit
+                )
             except ValueError:
                 continue
             partitions.setdefault(found.boundaries, origin)
