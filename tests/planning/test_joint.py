@@ -63,3 +63,12 @@ def test_a_binding_budget_is_met_and_the_gap_is_stated():
 def test_nothing_fits():
     with pytest.raises(MemoryBudgetError, match="No plan fits"):
         plan_joint(_model(), LENGTHS, RANKS, 1.0, config=_config())
+
+
+def test_partition_time_limit_returns_the_best_found():
+    model = _model()
+    shapes = microbatch_shapes(LENGTHS, even_microbatch_sizes(len(LENGTHS), 4))
+    exact = plan_partition(model, shapes, "1f1b", RANKS)
+    stopped = plan_partition(model, shapes, "1f1b", RANKS, time_limit=0.0)
+    assert exact.proven_optimal and not stopped.proven_optimal
+    assert stopped.step_seconds >= exact.step_seconds
