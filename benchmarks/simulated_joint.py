@@ -3,7 +3,7 @@
 For each length trace (FLANv2-like, GitHub-like), GPT model (1.3B, 7B: ``planning.gpt``'s analytic
 costs, A100-class), pipeline depth (4 and 8 stages) and memory budget (``none``: no limit; ``tight``:
 a budget that binds, 60% of what the trace's longest batch needs without recomputation under the
-static plan, raised by 10% steps until full recomputation fits it), every batch's step time is the
+static plan, raised by 10% steps until the static plan with full recomputation fits that batch), every batch's step time is the
 simulated makespan (``schedules.simulate``; recompute and offload stalls from
 ``planning.memory_planner``; memory from ``planning.memory_model.predict_memory``) under:
 
@@ -151,12 +151,12 @@ class Runner:
         program = resolve_schedule("1f1b").build(self.stages, len(shapes))
         need = max(predict_memory(program, free.boundaries, shapes, MemoryPlan(), self.profile).peak_bytes)
         fraction = self.args.budget_fraction
-        while True:
-            try:
-                plan_partition(self.recompute_model, shapes, "1f1b", self.stages, fraction * need, time_limit=LIMIT)
-                return fraction * need
-            except ValueError:
-                fraction += 0.1
+        while True:  # until the static rule (1F1B, full recompute if needed) fits the longest batch
+            self.limit = fraction * need
+            static = self._static_plan("1f1b")
+            if static is not None and math.isfinite(self.price(self.longest, static)[0]):
+                return self.limit
+            fraction += 0.1
 
     def _static_plan(self, family: str) -> PipelinePlan | None:
         """The best plan of ``family`` for the longest batch, full recompute when nothing fits without
@@ -292,18 +292,24 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     met = True
     for row in rows:
         values = {name: row.throughput(name) for name in POLICIES}
-        single = max(values[name] for name in SINGLE)
-        other = max(v for name, v in values.items() if name != "joint")
+        valid = {name: v for name, v in values.items() if _fits(row, name)}  # policies that met the budget
+        single = max((valid[name] for name in SINGLE if name in valid), default=0.0)
+        other = max((v for name, v in valid.items() if name != "joint"), default=0.0)
         binds = row.budget != "none"
-        goal = values["joint"] >= other * (1 - 1e-9) and (not binds or values["joint"] >= 1.1 * single)
+        joint = valid.get("joint", 0.0)
+        goal = joint > 0 and joint >= other * (1 - 1e-9) and (not binds or joint >= 1.1 * single)
         met &= goal
-        cells = [f"{values[name]:,.0f}" + (f" ({row.policies[name].out_of_memory} OOM)" if row.policies[name].out_of_memory else "") for name in POLICIES]
+        cells = [_cell(row, name, values[name]) for name in POLICIES]
         table.add_row(
             row.trace, row.model, str(row.stages), "none" if not binds else f"{row.budget_gib:.1f} GiB", *cells,
-            f"{values['joint'] / single:.3f}x", f"{values['joint'] / other:.3f}x" + ("" if goal else " *"),
+            _ratio(joint, single), _ratio(joint, other) + ("" if goal else " *"),
             f"{max(row.gaps):.3f}", f"{sum(row.planning_seconds) / len(row.planning_seconds):.1f}",
         )
     console.print(table)
+    console.print(
+        "OOM: a step no plan of that policy fit in the budget (static: time counted as if memory were larger; "
+        "others: no time, the policy cannot run the trace). Speedups compare policies that fit every step."
+    )
     console.print(
         "goal (joint never slower than any other policy, and >= 1.1x the best single lever where the budget binds): "
         + ("met in every row" if met else "NOT met in the rows marked *")
@@ -313,6 +319,22 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
         f"{args.seed}, {args.microbatches_per_stage} microbatches per stage, families {args.families}, memory "
         f"{args.memory_method}, partition gap {args.gap}  |  {platform.python_version()}, {platform.machine()}, wall {wall:.0f} s"
     )
+
+
+def _fits(row: Row, name: str) -> bool:
+    policy = row.policies[name]
+    return policy.out_of_memory == 0 and math.isfinite(policy.seconds)
+
+
+def _cell(row: Row, name: str, value: float) -> str:
+    policy = row.policies[name]
+    if not math.isfinite(policy.seconds):
+        return "OOM"
+    return f"{value:,.0f}" + (f" ({policy.out_of_memory} OOM)" if policy.out_of_memory else "")
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}x" if a > 0 and b > 0 else "-"
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -325,12 +347,12 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 4.5))
     width = 0.8 / len(POLICIES)
     for k, name in enumerate(POLICIES):
-        values = [row.throughput(name) / row.throughput("static") for row in rows]
+        values = [row.throughput(name) / row.throughput("static") if _fits(row, name) else 0.0 for row in rows]
         ax.bar([i + k * width for i in range(len(rows))], values, width, label=name)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
     labels = [f"{r.trace}\n{r.model} S={r.stages}\n{'no limit' if r.budget == 'none' else f'{r.budget_gib:.0f} GiB'}" for r in rows]
     ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("throughput / static")
+    ax.set_ylabel("throughput / static (0: does not fit)")
     ax.axhline(1.0, color="black", linewidth=0.5)
     ax.legend(fontsize=7, ncol=len(POLICIES))
     ax.set_title("Joint planner vs static, single levers and their sequence (simulated)")
