@@ -389,10 +389,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--plot", type=Path, help="PNG of throughput relative to static")
     parser.add_argument("--save", type=Path, help="append every finished row to this file (pickle lines)")
-    parser.add_argument("--load", type=Path, nargs="*", help="render and plot saved rows instead of running")
+    parser.add_argument(
+        "--load", type=Path, nargs="*", help="render and plot saved rows instead of running (later files replace rows)"
+    )
     args = parser.parse_args(argv)
     if args.load:
-        rows = [row for path in args.load for row in _read_rows(path)]
+        latest = {}  # a row saved again later (a re-run of one configuration) replaces the earlier one
+        for path in args.load:
+            for row in _read_rows(path):
+                latest[(row.trace, row.model, row.stages, row.budget)] = row
+        rows = list(latest.values())
         render(rows, args, 0.0)
         if args.plot:
             plot(rows, args.plot)
