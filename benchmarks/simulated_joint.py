@@ -290,6 +290,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     for column in ("trace", "model", "stages", "budget", *POLICIES, "joint / best single", "joint / best other", "gap max", "plan s"):
         table.add_column(column, justify="right")
     met = True
+    markdown = ["| " + " | ".join(column.header for column in table.columns) + " |", "|" + "---|" * len(table.columns)]
     for row in rows:
         values = {name: row.throughput(name) for name in POLICIES}
         valid = {name: v for name, v in values.items() if _fits(row, name)}  # policies that met the budget
@@ -300,12 +301,16 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
         goal = joint > 0 and joint >= other * (1 - 1e-9) and (not binds or joint >= 1.1 * single)
         met &= goal
         cells = [_cell(row, name, values[name]) for name in POLICIES]
-        table.add_row(
+        line = [
             row.trace, row.model, str(row.stages), "none" if not binds else f"{row.budget_gib:.1f} GiB", *cells,
             _ratio(joint, single), _ratio(joint, other) + ("" if goal else " *"),
             f"{max(row.gaps):.3f}", f"{sum(row.planning_seconds) / len(row.planning_seconds):.1f}",
-        )
+        ]
+        table.add_row(*line)
+        markdown.append("| " + " | ".join(line) + " |")
     console.print(table)
+    if args.markdown:
+        print("\n".join(markdown))
     console.print(
         "OOM: a step no plan of that policy fit in the budget (static: time counted as if memory were larger; "
         "others: no time, the policy cannot run the trace). Speedups compare policies that fit every step."
@@ -388,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--plot", type=Path, help="PNG of throughput relative to static")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     parser.add_argument("--save", type=Path, help="append every finished row to this file (pickle lines)")
     parser.add_argument(
         "--load", type=Path, nargs="*", help="render and plot saved rows instead of running (later files replace rows)"
