@@ -8,7 +8,7 @@ import, Lightning answers "You selected an invalid strategy name"). Near-misses 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pipe.planning import MemoryPlan, PipelinePlan, StageMemory
+from lightning_pipe.planning import MemoryPlan, PipelinePlan, PlanProposal, StageMemory
 from lightning_pipe.runtime.packing import Packer
 from lightning_pipe.strategies import ElasticPipelineStrategy
 from lightning_pipe.strategies._lightning_compat import install_strategy_name_hint
@@ -20,4 +20,6 @@ if "elastic_pipe" not in StrategyRegistry:
 install_strategy_name_hint("elastic_pipe")  # "elastic-pipe" and the like: Lightning's error gets a hint
 
 # Public API.
-__all__ = ["ElasticPipelineStrategy", "MemoryPlan", "Packer", "PipelinePlan", "StageMemory", "__version__"]
+__all__ = [
+    "ElasticPipelineStrategy", "MemoryPlan", "Packer", "PipelinePlan", "PlanProposal", "StageMemory", "__version__",
+]

@@ -11,8 +11,10 @@ For each batch the callback
 3. decides with :func:`~lightning_pipe.planning.decide_repartition`, pricing a migration at the
    mean *measured* migration seconds (before the first migration, the planning estimate from the
    cost model's link), and predictions rescaled by the measured step times;
-4. applies the candidate with ``strategy.apply_plan`` (live migration of parameters, gradients of an
-   open accumulation window, optimizer state).
+4. proposes the candidate's boundaries (``strategy.propose``); the strategy merges every callback's
+   proposals and applies one plan before the step (live migration of parameters, gradients of an
+   open accumulation window, optimizer state). Boundaries made for another stage count than the
+   merged family's are not used (``planning/proposals.py``).
 
 Lookahead: Lightning's loop has the next batch ready (``_lightning_compat.peek_next_training_batch``),
 so while batch ``k`` trains, a background thread plans batch ``k + 1``; ``on_train_batch_start`` of
@@ -40,6 +42,7 @@ from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.memory_model import parse_size
 from lightning_pipe.planning.migration import estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
+from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.planning.trigger import StepPrediction, TriggerConfig, TriggerDecision, decide_repartition
 
 if TYPE_CHECKING:
@@ -149,6 +152,7 @@ class ElasticRepartition(L.Callback):
             forecast; keeps it from oscillating).
         lookahead: plan the next batch in the background while the current one trains.
         relative_gap: accept plans within this fraction of the optimum (faster planning).
+        priority: wins the partition part over proposals of lower priority (``planning/proposals.py``).
     """
 
     def __init__(
@@ -162,6 +166,7 @@ class ElasticRepartition(L.Callback):
         recent_steps: int = 4,
         lookahead: bool = True,
         relative_gap: float = 0.0,
+        priority: int = 0,
     ) -> None:
         if isinstance(trigger, bool) or not isinstance(trigger, (str, int)):
             raise TypeError(
@@ -187,6 +192,7 @@ class ElasticRepartition(L.Callback):
         self.recent_steps = recent_steps
         self.lookahead = lookahead
         self.relative_gap = relative_gap
+        self.priority = priority
         self.history: list[RepartitionStep] = []
         self._recent: deque[tuple[MicrobatchShape, ...]] = deque(maxlen=recent_steps)
         self._job: _Job | None = None
@@ -233,17 +239,16 @@ class ElasticRepartition(L.Callback):
         self._job = None
 
         decision = self._decide(strategy, trainer, plan, batch_idx)
-        report = None
         if decision.migrate:
-            report = strategy.apply_plan(dataclasses.replace(strategy.plan, boundaries=plan.candidate.boundaries))
+            proposal = PlanProposal(type(self).__name__, boundaries=plan.candidate.boundaries, priority=self.priority)
+            strategy.propose(proposal)
         predicted = plan.candidate.step_seconds if decision.migrate else plan.current.step_seconds
         self._recent.append(shapes)
 
         if self.lookahead and all(e[1] is not None for e in everyone):
             upcoming_shapes = tuple(costs.shapes(costs.heaviest([e[1] for e in everyone])))
-            next_key = _PlanKey(
-                model, upcoming_shapes, tuple(strategy.boundaries), strategy.schedule, tuple(self._recent)
-            )
+            running = plan.candidate.boundaries if decision.migrate else tuple(strategy.boundaries)
+            next_key = _PlanKey(model, upcoming_shapes, tuple(running), strategy.schedule, tuple(self._recent))
             self._job = _Job(next_key, self._plan)
         self._pending.update(
             batch_idx=batch_idx,
@@ -251,7 +256,6 @@ class ElasticRepartition(L.Callback):
             candidate=plan.candidate.boundaries,
             predicted=predicted,
             decision=decision,
-            report=report,
             planning_seconds=plan.seconds,
             planning_waited_seconds=waited,
             looked_ahead=looked_ahead,
@@ -265,9 +269,16 @@ class ElasticRepartition(L.Callback):
         pending = self._pending
         if pending.get("batch_idx") != batch_idx:
             return
-        costs = trainer.strategy.costs
-        measured = costs.max_over_ranks(time.perf_counter() - pending["started"])
-        report = pending["report"]
+        strategy = trainer.strategy
+        costs = strategy.costs
+        application = getattr(strategy, "last_application", None)
+        started = pending["started"]
+        report = None
+        if application is not None and application.batch_idx == batch_idx:  # the plan was applied after our hook
+            started = max(started, application.finished)
+            if application.migration is not None and application.migration.transfers:
+                report = application.migration
+        measured = costs.max_over_ranks(time.perf_counter() - started)
         migration_seconds = 0.0
         if report is not None:  # every rank migrated: the collective is reached by all
             migration_seconds = costs.max_over_ranks(report.seconds)

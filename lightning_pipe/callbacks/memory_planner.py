@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
 
-from lightning_pipe.planning.memory_model import FULL, KEEP_ATTENTION, OFFLOAD, parse_size
+from lightning_pipe.planning.memory_model import FULL, KEEP_ATTENTION, OFFLOAD, MemoryPlan, parse_size
 from lightning_pipe.planning.memory_planner import MemoryPlanResult
+from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.proposals import PlanProposal
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +22,10 @@ class MemoryPlanner(L.Callback):
     The first batch is probed (each rank runs its stages on the first microbatch in every recompute
     mode and counts what autograd saves per block; ranks share the counts), then every batch is
     planned from its own microbatch shapes: a long batch gets more recomputation than a short one.
-    The plan with the smallest simulated step time that fits (``planning.memory_planner``) is applied
-    with ``strategy.apply_plan`` as the ``memory`` part of the pipeline plan; the partition and
-    schedule stay as they are, so put this callback after callbacks that repartition.
+    The plan with the smallest simulated step time that fits (``planning.memory_planner``) is
+    *proposed* as the ``memory`` part of the next step's plan, as a function of the draft plan: the
+    strategy calls it after the partition, family and microbatches proposed by other callbacks are
+    merged, so the memory plan is made for what will run, whatever the callbacks' order.
 
     Args:
         budget: bytes per device (``"60GiB"``) for parameters, gradients, optimizer state and saved
@@ -37,6 +39,7 @@ class MemoryPlanner(L.Callback):
         cost_model: a :class:`~lightning_pipe.planning.cost_model.CostModel` for seconds; default: flop
             counts from the probe.
         time_limit: seconds the MILP solver may take per batch (its best plan so far is used after).
+        priority: wins the memory part over proposals of lower priority (``planning/proposals.py``).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class MemoryPlanner(L.Callback):
         host_bandwidth: float = 25e9,
         cost_model: Any = None,
         time_limit: float = 10.0,
+        priority: int = 0,
     ) -> None:
         unknown = set(options) - {FULL, KEEP_ATTENTION, OFFLOAD}
         if unknown:
@@ -65,6 +69,7 @@ class MemoryPlanner(L.Callback):
         self.host_bandwidth = host_bandwidth
         self.cost_model = cost_model
         self.time_limit = time_limit
+        self.priority = priority
         self.results: list[MemoryPlanResult] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -80,16 +85,20 @@ class MemoryPlanner(L.Callback):
             memory.set_budget(self.budget)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        """Plan this batch's memory and apply it (every rank computes the same plan)."""
+        """Propose this batch's memory plan, made for the draft plan (every rank computes the same)."""
         strategy = trainer.strategy
-        result = strategy.memory.plan_batch(
-            batch, (batch_idx,), self.budget, lengths=self.lengths, options=self.options, method=self.method,
-            objective=self.objective, host_bandwidth=self.host_bandwidth, cost_model=self.cost_model,
-            time_limit=self.time_limit,
-        )
-        self.results.append(result)
-        strategy.apply_plan(dataclasses.replace(strategy.plan, memory=result.plan.to_dict()))
-        log.debug(
-            "batch %d: memory plan by %s, predicted peak %s bytes, step %.3g s", batch_idx, result.method,
-            [round(p) for p in result.prediction.peak_bytes], result.step_seconds,
-        )
+
+        def plan_for(draft: PipelinePlan) -> MemoryPlan:
+            result = strategy.memory.plan_batch(
+                batch, (batch_idx,), self.budget, lengths=self.lengths, plan=draft, options=self.options,
+                method=self.method, objective=self.objective, host_bandwidth=self.host_bandwidth,
+                cost_model=self.cost_model, time_limit=self.time_limit,
+            )
+            self.results.append(result)
+            log.debug(
+                "batch %d: memory plan by %s, predicted peak %s bytes, step %.3g s", batch_idx, result.method,
+                [round(p) for p in result.prediction.peak_bytes], result.step_seconds,
+            )
+            return result.plan
+
+        strategy.propose(PlanProposal(type(self).__name__, memory=plan_for, priority=self.priority))

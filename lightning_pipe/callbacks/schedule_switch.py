@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 import lightning as L
 
-from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.schedules import AutoScheduleRow, Schedule, auto_schedule, resolve_schedule
 
 if TYPE_CHECKING:
@@ -40,8 +40,14 @@ class ScheduleSwitch(L.Callback):
         lengths_fn: ``lengths_fn(batch) -> one length per sample`` (``"auto"``); default: the token
             tensor's ``[B, T]``.
 
-    A switch to a family with another number of stages per rank (``zbv``, ``interleaved_1f1b``)
-    re-partitions the blocks by the strategy's ``partition`` rule and migrates units live.
+        priority: wins the schedule part over proposals of lower priority (``planning/proposals.py``).
+
+    The callback *proposes* the family (``strategy.propose``); the strategy merges every callback's
+    proposals and applies one plan before the step, so a memory plan or partition proposed by other
+    callbacks is kept (and planned for this family). A switch to a family with another number of
+    stages per rank (``zbv``, ``interleaved_1f1b``) re-partitions the blocks by the strategy's
+    ``partition`` rule (unless a repartitioning callback proposes boundaries with that stage count)
+    and migrates units live.
     """
 
     def __init__(
@@ -52,6 +58,7 @@ class ScheduleSwitch(L.Callback):
         margin: float = 0.02,
         memory_limit: float | None = None,
         lengths_fn: Callable[[Any], Sequence[int]] | None = None,
+        priority: int = 0,
     ) -> None:
         if unit not in ("step", "epoch"):
             raise ValueError(f"`ScheduleSwitch(unit={unit!r})`: use 'step' or 'epoch'.")
@@ -75,6 +82,7 @@ class ScheduleSwitch(L.Callback):
         self.margin = margin
         self.memory_limit = memory_limit
         self.lengths_fn = lengths_fn
+        self.priority = priority
         self.switches: list[tuple[int, str]] = []
         self.last_rows: list[AutoScheduleRow] = []  # "auto": the latest ranking, best first
 
@@ -87,17 +95,15 @@ class ScheduleSwitch(L.Callback):
         return resolve_schedule(self.rule[keys[-1] if keys else min(self.rule)])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        """Apply the rule's schedule if it differs from the running one (at accumulation-window starts)."""
+        """Propose the rule's schedule (at accumulation-window starts); ``switches`` records changes."""
         if batch_idx % trainer.accumulate_grad_batches:
             return
         strategy = trainer.strategy
         count = trainer.global_step if self.unit == "step" else trainer.current_epoch
         schedule = self._auto_schedule(strategy, batch) if self.rule == "auto" else self._schedule_for(count)
+        strategy.propose(PlanProposal(type(self).__name__, schedule=schedule, priority=self.priority))
         if schedule == strategy.schedule:
             return
-        num_stages = strategy.pipeline_parallel_size * schedule.stages_per_rank
-        boundaries = strategy.boundaries if num_stages == len(strategy.boundaries) - 1 else strategy.default_boundaries(num_stages)
-        strategy.apply_plan(PipelinePlan(boundaries, schedule, strategy.num_microbatches))
         self.switches.append((count, schedule.name))
         log.info("ScheduleSwitch: %s %d -> schedule %s", self.unit, count, schedule.name)
 

@@ -4,6 +4,9 @@ Numbers in, numbers out (numpy and scipy; no torch, no Lightning, no processes).
 :mod:`lightning_pipe.schedules` to simulate programs. See ``docs/repartitioning.md`` and
 ``docs/memory.md``.
 
+Plans: :class:`PipelinePlan` (typed parts), :class:`PlanProposal` and :func:`merge_proposals` (one
+plan per step from many planners), :func:`plan_joint` (all levers together, ``joint.py``).
+
 Public API: the names in ``__all__`` below. Modules ``bounds`` and ``batch_simulation`` are the
 planner's machinery and may change.
 """
@@ -39,6 +42,7 @@ from lightning_pipe.planning.layout import (
     uniform_layout,
 )
 from lightning_pipe.planning.layout_simulation import LayoutSimulation, estimate_layout_seconds, simulate_layout
+from lightning_pipe.planning.joint import JointCandidate, JointConfig, JointPlan, plan_joint
 from lightning_pipe.planning.memory_model import (
     MemoryPlan,
     MemoryPrediction,
@@ -47,10 +51,12 @@ from lightning_pipe.planning.memory_model import (
     predict_memory,
 )
 from lightning_pipe.planning.memory_planner import MemoryBudgetError, MemoryPlanResult, plan_memory
+from lightning_pipe.planning.microbatching import balance_microbatch_sizes, even_microbatch_sizes, sample_costs
 from lightning_pipe.planning.migration import MigrationCalibration, MigrationEstimate, estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.regroup import RegroupPlan, UnitMove, plan_regroup, replica_groups, replica_microbatches
+from lightning_pipe.planning.proposals import MergedPlan, PlanProposal, merge_proposals
 from lightning_pipe.planning.traces import (
     LengthTrace,
     flan_like_trace,
@@ -74,6 +80,9 @@ __all__ = [
     "CostModelDepthEstimator",
     "DepthDecision",
     "DepthEstimator",
+    "JointCandidate",
+    "JointConfig",
+    "JointPlan",
     "Layout",
     "LayoutMigration",
     "LayoutSimulation",
@@ -86,11 +95,13 @@ __all__ = [
     "MemoryPlanResult",
     "MemoryPrediction",
     "MemoryProfile",
+    "MergedPlan",
     "MicrobatchShape",
     "MigrationCalibration",
     "MigrationEstimate",
     "PartitionPlan",
     "PipelinePlan",
+    "PlanProposal",
     "RegroupPlan",
     "SearchBounds",
     "SearchResult",
@@ -103,6 +114,7 @@ __all__ = [
     "UnitFit",
     "UnitMove",
     "UnitTables",
+    "balance_microbatch_sizes",
     "balanced_partition",
     "brute_force_layouts",
     "check_boundaries",
@@ -112,6 +124,7 @@ __all__ = [
     "estimate_layout_seconds",
     "estimate_migration",
     "evaluate_partition",
+    "even_microbatch_sizes",
     "even_widths",
     "fit_linear_cost",
     "fit_unit_cost",
@@ -120,7 +133,9 @@ __all__ = [
     "gpt_1_3b",
     "gpt_7b",
     "gpt_cost_model",
+    "merge_proposals",
     "minimum_stages",
+    "plan_joint",
     "plan_memory",
     "plan_partition",
     "plan_regroup",
@@ -129,6 +144,7 @@ __all__ = [
     "random_partition",
     "replica_groups",
     "replica_microbatches",
+    "sample_costs",
     "sample_flan_lengths",
     "sample_github_lengths",
     "search_bounds",

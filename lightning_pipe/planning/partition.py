@@ -375,6 +375,7 @@ def plan_partition(
     *,
     candidates: Sequence[Sequence[int]] = (),
     relative_gap: float = 0.0,
+    time_limit: float | None = None,
 ) -> PartitionPlan:
     """Contiguous stage boundaries minimizing the simulated step time of one batch.
 
@@ -394,6 +395,9 @@ def plan_partition(
             as the simulator counts them); None for no limit.
         candidates: partitions to try first, such as the one in use; they only speed the search.
         relative_gap: accept a plan within this fraction of the optimum (0: exact); speeds the search.
+        time_limit: stop the search after this many seconds and return the best partition found
+            (``proven_optimal`` False); None: search to the end. Proving that nothing fits a tight
+            ``memory_limit`` can take long with several stages per rank.
 
     Returns:
         The :class:`PartitionPlan`.
@@ -424,7 +428,11 @@ def plan_partition(
     if math.isfinite(best):
         incumbent, best = search.improve(incumbent, best)
         search.evaluate(np.array(list(dict.fromkeys([incumbent, *search.neighbours(incumbent), *seeds]))), learn=True)
+    timed_out = False
     while True:
+        if time_limit is not None and time.perf_counter() - started > time_limit:
+            timed_out = True
+            break
         threshold = best * (1.0 - _RELATIVE_TOLERANCE) / (1.0 + relative_gap)
         leaves = search.lowest_bounds(threshold, _LEAVES_PER_ROUND, _NODES_PER_ROUND)
         if len(leaves) == 0:
@@ -437,6 +445,8 @@ def plan_partition(
             if seconds[index] < best:
                 incumbent, best = tuple(int(b) for b in leaves[fits][index]), float(seconds[index])
     if not math.isfinite(best):
+        if timed_out:
+            raise ValueError(f"No partition that fits was found within `time_limit={time_limit}` seconds.")
         raise ValueError(search.infeasible_message())
     result = simulate(program, cost_model.stage_costs(incumbent, microbatches))
     return PartitionPlan(
@@ -445,5 +455,5 @@ def plan_partition(
         peak_memory=result.peak_memory,
         planning_seconds=time.perf_counter() - started,
         num_simulations=search.num_evaluated + 1,
-        proven_optimal=relative_gap == 0.0,
+        proven_optimal=relative_gap == 0.0 and not timed_out,
     )

@@ -21,7 +21,7 @@ The split is checked, not assumed:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -122,26 +122,33 @@ def plan_microbatches(
     batch: Any,
     num_microbatches: int,
     batch_dim: BatchDim = 0,
+    microbatch_sizes: Sequence[int] | None = None,
     trim_padding: bool = False,
     group_by_length: bool = False,
 ) -> MicrobatchPlan:
     """Plan the microbatches of ``batch``: ``num_microbatches`` of them, or one per sample if fewer.
 
     Samples go to microbatches in order; the first ``B % num_microbatches`` take one more
-    (``torch.tensor_split``'s rule).
+    (``torch.tensor_split``'s rule), unless ``microbatch_sizes`` says how many each takes (uneven microbatches
+    sized by work, ``planning.microbatching``). Each microbatch's weight is its share of samples
+    either way, so the batch's loss is the same.
 
     Args:
         batch: what the dataloader yields (tensors in tuples, lists, mappings, dataclasses).
         num_microbatches: microbatches wanted.
         batch_dim: where the tensors keep their samples (see :data:`BatchDim`).
+        microbatch_sizes: samples of each microbatch, in order (``num_microbatches`` positive integers summing
+            to the batch size); None: even.
         trim_padding: cut each microbatch's padded tensors to its own real tokens (a batch with an
             ``attention_mask`` or ``labels``, batch dimension 0; ``runtime/padding.py``).
         group_by_length: with ``trim_padding``, first order the samples by their real length
-            (longest first), so that each microbatch holds sequences of similar length.
+            (longest first), so that each microbatch holds sequences of similar length. Not with
+            ``microbatch_sizes``: sizes are planned for the batch's own order.
 
     Raises:
         ValueError: the tensors disagree on the batch size, an item has no such dimension, no
-            tensor has a batch dimension, or an object holding tensors cannot be cut.
+            tensor has a batch dimension, an object holding tensors cannot be cut, or ``microbatch_sizes`` do
+            not fit the batch.
     """
     if num_microbatches < 1:
         raise ValueError(f"`num_microbatches` must be at least 1, got {num_microbatches}.")
@@ -179,11 +186,15 @@ def plan_microbatches(
         value = dict(leaves)[item.path] if item.kind == WHOLE else None
         if item.kind == WHOLE and _is_sequence_leaf(value) and len(value) == batch_size:
             items[index] = BatchItem(item.path, SEQUENCE)
-    ranges = sample_ranges(batch_size, num_microbatches)
+    ranges = (
+        sample_ranges(batch_size, num_microbatches)
+        if microbatch_sizes is None
+        else sized_ranges(batch_size, num_microbatches, microbatch_sizes)
+    )
     weights = tuple((end - start) / batch_size for start, end in ranges)
     plan = MicrobatchPlan(batch_size, ranges, weights, (None,) * len(ranges), tuple(items))
     if trim_padding and batch_dim == 0:
-        plan = _trimmed(plan, dict(leaves), group_by_length)
+        plan = _trimmed(plan, dict(leaves), group_by_length and microbatch_sizes is None)
     return plan
 
 
@@ -212,6 +223,25 @@ def sample_ranges(batch_size: int, num_microbatches: int) -> tuple[tuple[int, in
     for i in range(count):
         bounds.append(bounds[-1] + batch_size // count + (1 if i < batch_size % count else 0))
     return tuple((bounds[i], bounds[i + 1]) for i in range(count))
+
+
+def sized_ranges(batch_size: int, num_microbatches: int, sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``(start, end)`` of microbatches of the given ``sizes`` (samples each, in order).
+
+    Raises:
+        ValueError: if there are not ``num_microbatches`` sizes, one is below 1, or they do not sum
+            to ``batch_size``.
+    """
+    values = [int(n) for n in sizes]
+    if len(values) != num_microbatches or any(n < 1 for n in values) or sum(values) != batch_size:
+        raise ValueError(
+            f"Microbatch sizes {values} do not fit a batch of {batch_size} samples in {num_microbatches} microbatches: "
+            f"give {num_microbatches} sizes >= 1 summing to {batch_size} (a plan's `microbatch_sizes` describe one batch)."
+        )
+    bounds = [0]
+    for n in values:
+        bounds.append(bounds[-1] + n)
+    return tuple((bounds[i], bounds[i + 1]) for i in range(len(values)))
 
 
 def batch_size_of(batch: Any, batch_dim: BatchDim = 0) -> int:

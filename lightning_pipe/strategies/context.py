@@ -68,7 +68,9 @@ class PipelineContext:
         global_rank: this process's rank.
         current: the plan in force now.
         optimizers: the optimizers (Lightning sets them after setup).
-        split_batch: the strategy's microbatch plan of a batch (cut once per batch).
+        split_batch: the strategy's microbatch plan of a batch (cut once per batch); optionally by
+            a draft plan's microbatching (``split_batch(batch, plan)``).
+        program_for_plan: the validated training program of a plan's family and microbatch count.
         train_step_context: the precision plugin's context for a training step.
         broadcast: ``broadcast(obj, src)`` over every process.
         gather_from_pipeline: one object per pipeline rank on global rank 0 (None elsewhere).
@@ -83,7 +85,8 @@ class PipelineContext:
     global_rank: int
     current: Callable[[], PipelineState]
     optimizers: Callable[[], list[Any]]
-    split_batch: Callable[[Any], SplitBatch]
+    split_batch: Callable[..., SplitBatch]
+    program_for_plan: Callable[[Any], Program]
     train_step_context: Callable[[], AbstractContextManager]
     broadcast: Callable[[Any, int], Any]
     gather_from_pipeline: Callable[[Any], list[Any] | None]

@@ -117,12 +117,7 @@ def checkpoint_record(strategy: ElasticPipelineStrategy, sharded: bool) -> dict[
     module = strategy.lightning_module
     return {
         "format": "sharded" if sharded else "consolidated",
-        "plan": {
-            "boundaries": list(plan.boundaries),
-            "schedule": strategy.schedule.name,
-            "num_microbatches": plan.num_microbatches,
-            "memory": plan.memory,
-        },
+        "plan": plan.describe(),
         "pipeline_parallel_size": strategy.pipeline_parallel_size,
         "data_parallel_size": strategy.layout.data_parallel_size,
         "state_dict_keys": list(module.state_dict().keys()),

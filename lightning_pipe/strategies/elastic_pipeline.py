@@ -47,6 +47,7 @@ from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.chunking import chunk_pieces
 from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.runtime.loss_weights import (
     DeferredNormalization,
     LossWeights,
@@ -55,7 +56,14 @@ from lightning_pipe.runtime.loss_weights import (
     raw_weight,
     upfront_weights,
 )
-from lightning_pipe.runtime.microbatch import BatchDim, MicrobatchPlan, SplitBatch, plan_microbatches, tensor_shapes
+from lightning_pipe.runtime.microbatch import (
+    BatchDim,
+    MicrobatchPlan,
+    SplitBatch,
+    batch_size_of,
+    plan_microbatches,
+    tensor_shapes,
+)
 from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
 from lightning_pipe.runtime.packing import (
     REFUSAL,
@@ -77,6 +85,7 @@ from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies.context import PipelineContext, PipelineState
 from lightning_pipe.strategies import checkpointing, distributed_checkpoint
 from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
+from lightning_pipe.strategies.plan_merging import PlanApplication, apply_proposals
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
@@ -258,8 +267,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._shapes_vary = False  # see _lengths_vary
         self._last_shapes: list[list[tuple[int, ...]]] | None = None
         self._warned_sample_mixing = False
-        self._splits: list[tuple[Any, SplitBatch]] = []  # the latest batches' splits (the batch kept to compare)
+        self._splits: list[tuple[Any, tuple, SplitBatch]] = []  # latest: (batch kept to compare, (count, sizes), split)
         self._short_programs: dict[Any, Program] = {}
+        self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds per (family, ranks, count)
+        self._microbatch_sizes: tuple[int, ...] | None = None
+        self._proposals: list[PlanProposal] = []
+        self.last_application: PlanApplication | None = None  # how the latest step's plan was merged and applied
         if async_save and not save_distributed_checkpoint:
             raise ValueError(
                 "`async_save=True` writes sharded checkpoints on a background thread; it needs "
@@ -493,6 +506,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             current=self._pipeline_state,
             optimizers=lambda: self.optimizers,
             split_batch=self.split_batch,
+            program_for_plan=self.program_for_plan,
             train_step_context=lambda: self.precision_plugin.train_step_context(),
             broadcast=self.broadcast,
             gather_from_pipeline=self.gather_from_pipeline,
@@ -511,11 +525,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         num_blocks = self.unit_layout.num_blocks
         num_stages = self.pipeline_parallel_size * schedule.stages_per_rank
         boundaries = check_boundaries(plan.boundaries, num_blocks, num_stages)
-        program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
-        check_executable(validate(program))
+        program = self.program_for_plan(plan)
+        if getattr(self, "program", None) is not program:
+            self.eval_program: Program = forward_only(program)
         self.schedule, self.program, self.boundaries = schedule, program, boundaries
-        self.eval_program = forward_only(program)
         self._num_microbatches = plan.num_microbatches
+        self._microbatch_sizes = plan.microbatch_sizes
         self.spans = {
             s: StageSpan(s, boundaries[s], boundaries[s + 1], num_blocks)
             for s in program.stages_of(self.layout.pipeline_rank)
@@ -562,7 +577,37 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @property
     def plan(self) -> PipelinePlan:
         """The plan the next step runs with."""
-        return PipelinePlan(self.boundaries, self.schedule, self.num_microbatches, memory=self.memory.plan.to_dict())
+        return PipelinePlan(
+            self.boundaries, self.schedule, self.num_microbatches, memory=self.memory.plan,
+            microbatch_sizes=self._microbatch_sizes,
+        )
+
+    def program_for_plan(self, plan: PipelinePlan) -> Program:
+        """The validated training program of ``plan``'s family and microbatch count (built once per pair)."""
+        schedule = resolve_schedule(plan.schedule)
+        key = (schedule, self.pipeline_parallel_size, plan.num_microbatches)
+        program = self._programs.get(key)
+        if program is None:
+            program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
+            check_executable(validate(program))
+            self._programs = {**dict(list(self._programs.items())[-15:]), key: program}
+        return program
+
+    def propose(self, proposal: PlanProposal) -> None:
+        """Propose changes to the next step's plan (from a callback's ``on_train_batch_start``).
+
+        Proposals of all callbacks are merged by the documented rule (``planning/proposals.py``) and
+        the result is applied once, before the step. Call it on every rank with the same proposal.
+        """
+        if not isinstance(proposal, PlanProposal):
+            raise TypeError(f"`{type(self).__name__}.propose` takes a PlanProposal, got {type(proposal).__name__}.")
+        self._proposals.append(proposal)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """After every callback's ``on_train_batch_start``: merge the proposals, apply one plan."""
+        proposals, self._proposals = self._proposals, []
+        self.last_application = apply_proposals(self, proposals, batch_idx)
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
         """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.
@@ -669,7 +714,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def split_batch(self, batch: Any, train: bool | None = None) -> SplitBatch:
+    def split_batch(self, batch: Any, plan: PipelinePlan | None = None, train: bool | None = None) -> SplitBatch:
         """The microbatch plan of ``batch`` and its microbatches, cut once.
 
         The step, the memory planner, the cost probes and the profilers all call this; the latest
@@ -680,34 +725,46 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
         Args:
             batch: the batch.
+            plan: whose microbatching to use (count and sizes); None: the running plan's. Sizes
+                that do not sum to this batch's samples (a validation batch after a sized training
+                batch) give way to an even split.
             train: whether it is a training batch; None: whether the trainer is training.
 
         Raises:
             ValueError: the batch cannot be cut unambiguously (``runtime/microbatch.py``).
         """
-        for seen, split in self._splits:
-            if seen is batch:
+        count = self.num_microbatches if plan is None else plan.num_microbatches
+        sizes = self._microbatch_sizes if plan is None else plan.microbatch_sizes
+        for seen, key, split in self._splits:
+            if seen is batch and key == (count, sizes):
                 return split
         if self.packer is not None:
             chunker = None
             if self.packer.slicing and self.packer.chunk_cost is not None:  # Algorithm 1 (planning/chunking.py)
                 chunker = functools.partial(chunk_pieces, time=self.packer.chunk_cost, max_tokens=self.packer.max_tokens)
-            plan = self.packer.plan(batch, self.num_microbatches, chunker)
-            return self._keep_split(batch, SplitBatch(plan, plan.split(batch)))
+            packed = self.packer.plan(batch, count, chunker)
+            return self._keep_split(batch, (count, sizes), SplitBatch(packed, packed.split(batch)))
         if train is None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             train = bool(trainer is not None and trainer.training)
-        plan = self._plan_microbatches(batch, trim=train and self._trim_padding)
-        if plan.padding is not None and not self.trim_verdicts.get(plan.padding.layout, TrimVerdict(True)).exact:
-            plan = self._plan_microbatches(batch, trim=False)
-        return self._keep_split(batch, SplitBatch(plan, plan.split(batch)))
+        planned = self._plan_microbatches(batch, count, sizes, trim=train and self._trim_padding)
+        if planned.padding is not None and not self.trim_verdicts.get(planned.padding.layout, TrimVerdict(True)).exact:
+            planned = self._plan_microbatches(batch, count, sizes, trim=False)
+        return self._keep_split(batch, (count, sizes), SplitBatch(planned, planned.split(batch)))
 
-    def _plan_microbatches(self, batch: Any, trim: bool) -> MicrobatchPlan:
+    def _plan_microbatches(self, batch: Any, count: int, sizes: tuple[int, ...] | None, trim: bool) -> MicrobatchPlan:
+        """``count`` microbatches of ``sizes`` (even when None or not this batch's: a validation batch after a
+        sized training batch), cut to their real tokens with ``trim``."""
         batch_dim = 0 if self._batch_dim is None else self._batch_dim
-        return plan_microbatches(batch, self.num_microbatches, batch_dim, trim, trim and self._group_by_length)
+        if sizes is not None and sum(sizes) != batch_size_of(batch, batch_dim):
+            sizes = None
+        return plan_microbatches(
+            batch, count, batch_dim, microbatch_sizes=sizes, trim_padding=trim,
+            group_by_length=trim and self._group_by_length,
+        )
 
-    def _keep_split(self, batch: Any, split: SplitBatch) -> SplitBatch:
-        self._splits = [(batch, split)] + [(b, s) for b, s in self._splits if b is not batch][:1]
+    def _keep_split(self, batch: Any, key: tuple, split: SplitBatch) -> SplitBatch:
+        self._splits = [(batch, key, split)] + [entry for entry in self._splits if entry[0] is not batch][:2]
         return split
 
     def _check_trimming(self, step_name: str, batch: Any, rest: tuple, split: SplitBatch) -> SplitBatch:
@@ -729,8 +786,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             "its real tokens. Give positions in the batch (`position_ids`), mask padding out of attention and "
             "label it -100; or pass `trim_padding=False` to silence this check."
         )
-        plan = self._plan_microbatches(batch, trim=False)
-        return self._keep_split(batch, SplitBatch(plan, plan.split(batch)))
+        key = (self.num_microbatches, self._microbatch_sizes)
+        plan = self._plan_microbatches(batch, *key, trim=False)
+        return self._keep_split(batch, key, SplitBatch(plan, plan.split(batch)))
 
     def _program_for(self, num_microbatches: int, train: bool) -> Program:
         """The program for this step: the plan's, or one for a short batch's fewer microbatches."""
@@ -834,7 +892,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     def _run(self, step_name: str, args: tuple, train: bool) -> Any:
         batch, rest = args[0], args[1:]
-        split = self.split_batch(batch, train)
+        split = self.split_batch(batch, train=train)
         if step_name not in self._observed:
             self._observe(step_name, (split.microbatches[0], *rest))
         if getattr(split.plan, "padding", None) is not None and split.plan.padding.layout not in self.trim_verdicts:

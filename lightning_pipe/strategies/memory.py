@@ -145,12 +145,12 @@ class StrategyMemory:
         return self._context
 
     def install(self, plan: PipelinePlan, program: Program) -> None:
-        """Adopt ``plan.memory`` (empty: the static plan from the strategy's arguments).
+        """Adopt ``plan.memory`` (None: the static plan from the strategy's arguments).
 
         Raises:
             ValueError: ``keep_attention`` with a split-backward (zero-bubble) program.
         """
-        memory = MemoryPlan.from_dict(plan.memory) if plan.memory else self.static_plan
+        memory = plan.memory if plan.memory is not None else self.static_plan
         split = any(a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
         if split and memory.uses(KEEP_ATTENTION):
             raise ValueError(
@@ -349,11 +349,13 @@ class StrategyMemory:
     def _owned_parameters(self) -> list[Tensor]:
         return [p for p in self.context.module.parameters() if p.device.type != "meta"]
 
-    def microbatch_shapes(self, batch: Any, lengths: Callable[[Any], Sequence[int]] | None = None) -> list[MicrobatchShape]:
-        """Shapes of the batch's microbatches as the strategy splits it."""
+    def microbatch_shapes(
+        self, batch: Any, lengths: Callable[[Any], Sequence[int]] | None = None, plan: PipelinePlan | None = None
+    ) -> list[MicrobatchShape]:
+        """Shapes of the batch's microbatches as the strategy splits it (by ``plan``'s microbatching if given)."""
         measure = lengths or sequence_lengths
         shape = self.profile.shape if self.profile is not None else MicrobatchShape.from_lengths
-        return [shape(measure(mb)) for mb in self.context.split_batch(batch).microbatches]
+        return [shape(measure(mb)) for mb in self.context.split_batch(batch, plan).microbatches]
 
     def measure_profile(self, batch: Any, rest: tuple = (0,), probe_length: int | None = 512) -> MemoryProfile:
         """Probe this rank's stages on the batch's first microbatch, share with the pipeline, fit."""
@@ -371,19 +373,25 @@ class StrategyMemory:
 
     def plan_batch(
         self, batch: Any, rest: tuple = (0,), budget: int | None = None, lengths: Callable | None = None,
-        **planner_options: Any,
+        plan: PipelinePlan | None = None, **planner_options: Any,
     ) -> MemoryPlanResult:
-        """The fastest plan under ``budget`` for this batch (probing first if no profile yet)."""
+        """The fastest plan under ``budget`` for this batch (probing first if no profile yet), for the
+        running partition, family and microbatches, or those of ``plan`` (a draft being merged)."""
         current = self.context.current()
         budget = self.budget if budget is None else budget
         if budget is None:
             raise ValueError("No memory budget: pass `budget=` to MemoryPlanner or `memory_budget=` to the strategy.")
         if self.profile is None:
             self.measure_profile(batch, rest)
-        shapes = self.microbatch_shapes(batch, lengths)
+        shapes = self.microbatch_shapes(batch, lengths, plan)
         options = {"mlp_chunk_size": self.mlp_chunk_size, **planner_options}
+        program = current.program if plan is None else self.context.program_for_plan(plan)
+        boundaries = current.boundaries if plan is None else plan.boundaries
+        if len(shapes) != program.num_microbatches:  # a short batch: fewer microbatches than the plan's
+            schedule = current.schedule if plan is None else plan.schedule
+            program = self.context.program_for_plan(PipelinePlan(boundaries, schedule, len(shapes)))
         result = plan_memory(
-            current.program, current.boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin), **options
+            program, boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin), **options
         )
         self.last_result = result
         log.debug("memory plan (%s): %s", result.method, result.plan.to_dict())

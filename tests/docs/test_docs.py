@@ -28,6 +28,7 @@ REGENERATED = {
         "benchmarks/simulated_depth.py", "--batches", "8", "--traces", "github", "--models", "7b", "--devices", "8",
         "--plot", "{out}",
     ],
+    "docs/img/joint_planner.png": ["benchmarks/simulated_joint.py", "--quick", "--plot", "{out}"],
 }
 DRAWN_ELSEWHERE = {"docs/img/measured_1f1b_step.png"}
 

@@ -68,3 +68,71 @@ class SaveFullState(L.Callback):
             import torch
 
             torch.save(state, self.path)
+
+
+class BalancedMicrobatches(L.Callback):
+    """Propose microbatch sizes balancing each batch's counted labels (``labels != -100``) per microbatch.
+
+    Records the sizes of every batch in ``sizes`` (the same on every rank).
+    """
+
+    def __init__(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+        self.sizes: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_pipe.planning.microbatching import balance_microbatch_sizes
+        from lightning_pipe.planning.proposals import PlanProposal
+
+        counted = (batch["labels"] != -100).sum(1).tolist()
+        sizes = balance_microbatch_sizes(counted, self.num_microbatches)
+        self.sizes.append(sizes)
+        trainer.strategy.propose(PlanProposal("BalancedMicrobatches", microbatch_sizes=sizes))
+
+
+class RandomJointPlans(L.Callback):
+    """Before every batch, propose a random joint plan: family, partition, microbatch count and uneven
+    sizes, and a random memory plan per (stage, microbatch). Every rank draws the same (seeded by the
+    batch index). ``plans`` keeps what was proposed (``PipelinePlan.describe()``)."""
+
+    def __init__(self, schedules: list[str], seed: int = 0) -> None:
+        self.schedules = schedules
+        self.seed = seed
+        self.plans: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory
+        from lightning_pipe.planning.plan import PipelinePlan
+        from lightning_pipe.planning.proposals import PlanProposal
+        from lightning_pipe.runtime.microbatch import batch_size_of
+
+        strategy = trainer.strategy
+        rng = random.Random(self.seed * 1000 + batch_idx)
+        schedule = resolve_schedule(rng.choice(self.schedules))
+        ranks = strategy.pipeline_parallel_size
+        num_stages = ranks * schedule.stages_per_rank
+        boundaries = random_partition(strategy.unit_layout.num_blocks, num_stages, rng.randrange(2**31))
+        samples = batch_size_of(batch)
+        counts = []
+        for count in range(1, samples + 1):
+            try:
+                schedule.build(ranks, count)
+                counts.append(count)
+            except Exception:  # noqa: BLE001  (families that need other counts)
+                pass
+        count = rng.choice(counts)
+        cuts = sorted(rng.sample(range(1, samples), count - 1))
+        sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, samples]))
+        split = schedule.name.startswith("zb")
+        choices = {}
+        for stage in range(num_stages):
+            for mb in range(count):
+                choices[(stage, mb)] = StageMemory(
+                    full=rng.randint(0, 1), keep_attention=0 if split else rng.randint(0, 1), offload=rng.randint(0, 1),
+                )
+        memory = MemoryPlan(microbatches=choices)
+        proposal = PlanProposal(
+            "RandomJointPlans", boundaries=boundaries, schedule=schedule, microbatch_sizes=sizes, memory=memory
+        )
+        self.plans.append(PipelinePlan(boundaries, schedule, count, memory, sizes).describe())
+        strategy.propose(proposal)

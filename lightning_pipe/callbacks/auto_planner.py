@@ -1,0 +1,326 @@
+"""``AutoPlanner``: one joint plan per batch (partition x family x microbatching x memory plan).
+
+Before every batch the callback proposes the plan :func:`~lightning_pipe.planning.joint.plan_joint`
+finds for it: the fastest simulated step under the memory budget over the schedule families, the
+microbatch counts and even or work-balanced microbatch sizes, every partition (exact search) and the
+memory planner's recompute/offload plans, with a stated optimality gap. A plan that moves units must
+gain, over ``horizon_steps`` steps, more than the predicted migration by ``margin`` (the same
+migration-cost trigger as ``ElasticRepartition``). The plan is proposed with a high priority, so the
+strategy's merge (``planning/proposals.py``) lets it win every part it sets.
+
+Lookahead: Lightning's loop has the next batch ready, so while batch ``k`` trains a background
+thread plans batch ``k + 1`` for the plan batch ``k`` runs; batch ``k + 1`` takes it if that plan is
+still the running one. Planning is pure (numpy/scipy), but its searches under the budget are
+time-limited (``partition_time_limit``, the MILP's limit), so the result may depend on the machine's
+load: global rank 0's plan is broadcast to every rank.
+
+It explains its choice through the Lightning logger every step: ``auto/predicted_step_s``,
+``auto/measured_step_s`` (after the plan was applied to the end of the batch, the maximum over
+ranks), ``auto/gap`` (stated optimality gap), ``auto/planning_s``, ``auto/migration_s`` and
+``auto/bought_<lever>_s`` for ``partition``, ``family``, ``microbatching`` and ``memory``: how many
+simulated seconds the best plan holding that lever at its running value (even microbatches, no
+memory plan) would take beyond the chosen one. ``history`` keeps one :class:`AutoPlanStep` per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lightning_pipe.planning.cost_model import CostModel
+from lightning_pipe.planning.joint import EVEN, JointConfig, JointPlan, plan_joint, plan_migration_seconds
+from lightning_pipe.planning.memory_model import FULL, OFFLOAD, MemoryPlan, parse_size
+from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.proposals import PlanProposal
+from lightning_pipe.schedules import resolve_schedule
+
+log = logging.getLogger(__name__)
+
+LEVERS = ("partition", "family", "microbatching", "memory")
+
+
+@dataclass(frozen=True)
+class AutoPlanStep:
+    """What :class:`AutoPlanner` chose for one batch.
+
+    Attributes:
+        batch_idx: the batch.
+        plan: the proposed plan.
+        predicted_step_seconds: its simulated step time.
+        measured_step_seconds: wall seconds from the applied plan to the end of the batch (max over ranks).
+        gap: the search's stated optimality gap.
+        bought: per lever, simulated seconds the best plan holding that lever would add.
+        migration_seconds: predicted seconds of moving to the plan (0 when nothing moves).
+        planning_seconds: wall seconds of the search (in the background when looked ahead).
+        looked_ahead: whether the plan was made while the previous batch ran.
+    """
+
+    batch_idx: int
+    plan: PipelinePlan
+    predicted_step_seconds: float
+    measured_step_seconds: float
+    gap: float
+    bought: dict[str, float]
+    migration_seconds: float
+    planning_seconds: float
+    looked_ahead: bool
+
+
+class _Job:
+    """One joint plan computed on a background thread."""
+
+    def __init__(self, key: tuple, compute: Callable[[], JointPlan]) -> None:
+        self.key = key
+        self.result: JointPlan | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(compute,), name="AutoPlanner-plan", daemon=True)
+        self.thread.start()
+
+    def _run(self, compute: Callable[[], JointPlan]) -> None:
+        try:
+            self.result = compute()
+        except BaseException as error:  # noqa: BLE001  (re-raised in the training thread by join())
+            self.error = error
+
+    def join(self) -> JointPlan:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class AutoPlanner(L.Callback):
+    """Propose the joint plan of every batch (see the module docstring).
+
+    Args:
+        budget: bytes per device (``"60GiB"``) the plan must fit; None: the strategy's
+            ``memory_budget`` (no limit if that is None too). Enforced on the accounted bytes.
+        families: schedule families to choose among (those needing more stages than blocks are skipped).
+        microbatch_counts: microbatch counts to choose among; None: the strategy's ``num_microbatches``.
+        microbatching: ``"even"`` and/or ``"balanced"`` (sizes balancing the samples' cost).
+        memory_options: what memory plans may use (``"full"``, ``"offload"``, ``"keep_attention"``).
+        memory_method: ``"greedy"`` or ``"milp"``.
+        cost_model: None (the strategy's: a profile, else the meta-device estimate from the first
+            batch), a ``CostModel``, or a path to a saved profile.
+        lengths_fn: ``lengths_fn(batch) -> one length per sample``; default from the token tensor.
+        margin: a move must gain this fraction more than the migration costs.
+        horizon_steps: steps a gain is assumed to last.
+        relative_gap: partitions within this fraction of the optimum are accepted (faster planning).
+        partition_time_limit: seconds a partition search under the budget may take.
+        lookahead: plan the next batch in the background while the current one trains.
+        priority: the proposal's priority (high: the joint plan wins the parts it sets).
+    """
+
+    def __init__(
+        self,
+        budget: str | int | None = None,
+        families: Sequence[Any] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
+        microbatch_counts: Sequence[int] | None = None,
+        microbatching: Sequence[str] = ("even", "balanced"),
+        memory_options: Sequence[str] = (FULL, OFFLOAD),
+        memory_method: str = "greedy",
+        cost_model: CostModel | str | Path | None = None,
+        lengths_fn: Callable[[Any], Sequence[int]] | None = None,
+        margin: float = 0.25,
+        horizon_steps: int = 16,
+        relative_gap: float = 0.0,
+        partition_time_limit: float | None = 5.0,
+        lookahead: bool = True,
+        priority: int = 100,
+    ) -> None:
+        if not families:
+            raise ValueError("`AutoPlanner(families=())` has nothing to choose from.")
+        if set(microbatching) - {"even", "balanced"} or not microbatching:
+            raise ValueError(f"`AutoPlanner(microbatching={microbatching!r})`: use 'even' and/or 'balanced'.")
+        if memory_method not in ("greedy", "milp"):
+            raise ValueError(f"`AutoPlanner(memory_method={memory_method!r})`: use 'greedy' or 'milp'.")
+        if horizon_steps < 1 or margin < 0:
+            raise ValueError(f"`AutoPlanner`: horizon_steps must be >= 1 and margin >= 0, got {horizon_steps}, {margin}")
+        self.budget = None if budget is None else parse_size(budget)
+        self.families = tuple(families)
+        self.microbatch_counts = None if microbatch_counts is None else tuple(microbatch_counts)
+        self.microbatching = tuple(microbatching)
+        self.memory_options = tuple(memory_options)
+        self.memory_method = memory_method
+        self.cost_model = cost_model
+        self.lengths_fn = lengths_fn
+        self.margin = margin
+        self.horizon_steps = horizon_steps
+        self.relative_gap = relative_gap
+        self.partition_time_limit = partition_time_limit
+        self.lookahead = lookahead
+        self.priority = priority
+        self.history: list[AutoPlanStep] = []
+        self._job: _Job | None = None
+        self._pending: dict[str, Any] = {}
+        self._model: CostModel | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Check the strategy; give it the budget to enforce."""
+        strategy = trainer.strategy
+        if not hasattr(strategy, "propose") or getattr(strategy, "costs", None) is None:
+            raise TypeError(
+                f"`AutoPlanner` needs `strategy='elastic_pipe'` (ElasticPipelineStrategy), the Trainer runs "
+                f"`{type(strategy).__name__}`."
+            )
+        if self.budget is not None:
+            strategy.memory.set_budget(self.budget)
+
+    # --- hooks -------------------------------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Take (or make) this batch's joint plan, propose it, and start planning the next batch."""
+        strategy = trainer.strategy
+        costs = strategy.costs
+        found, upcoming = strategy.peek_next_batch() if self.lookahead else (False, None)
+        mine = (self._sample_lengths(strategy, batch), self._sample_lengths(strategy, upcoming) if found else None)
+        everyone = costs.replica_values(mine)
+        lengths = self._heaviest([e[0] for e in everyone])
+        if self._model is None:
+            self._model = self._cost_model(strategy, batch, lengths)
+        budget = self.budget if self.budget is not None else strategy.memory.budget
+        profile = None
+        if budget is not None:
+            budget = budget * (1.0 - strategy.memory.planning_margin)  # measurement noise, as MemoryPlanner
+            if strategy.memory.profile is None:
+                strategy.memory.measure_profile(batch, (batch_idx,))
+            profile = strategy.memory.profile
+        running = strategy.plan
+        key = (tuple(lengths), running.boundaries, running.schedule, running.num_microbatches)
+        looked_ahead = self._job is not None and self._job.key == key
+        result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile)
+        if self._job is not None and not looked_ahead:
+            self._job.join()  # stale: the running plan or the batch differs from what was planned for
+        self._job = None
+        if strategy.world_size > 1:  # time-limited searches (partition, MILP) may differ between ranks
+            result = strategy.broadcast(result, src=0)
+        plan = result.plan
+        strategy.propose(
+            PlanProposal(
+                type(self).__name__, boundaries=plan.boundaries, schedule=plan.schedule,
+                num_microbatches=plan.num_microbatches, microbatch_sizes=plan.microbatch_sizes,
+                memory=plan.memory if plan.memory is not None else MemoryPlan(), priority=self.priority,
+            )
+        )
+        if self.lookahead and all(e[1] is not None for e in everyone):
+            upcoming_lengths = self._heaviest([e[1] for e in everyone])
+            next_running = PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, plan.memory)
+            next_key = (
+                tuple(upcoming_lengths), next_running.boundaries, next_running.schedule, next_running.num_microbatches
+            )
+            self._job = _Job(next_key, lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile))
+        self._pending = {
+            "batch_idx": batch_idx, "result": result, "looked_ahead": looked_ahead, "running": running,
+            "started": time.perf_counter(),
+        }
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Measure the step, log predicted vs measured and what each lever bought."""
+        pending = self._pending
+        if pending.get("batch_idx") != batch_idx:
+            return
+        strategy = trainer.strategy
+        application = getattr(strategy, "last_application", None)
+        started = pending["started"]
+        if application is not None and application.batch_idx == batch_idx:
+            started = max(started, application.finished)
+        measured = strategy.costs.max_over_ranks(time.perf_counter() - started)
+        result: JointPlan = pending["result"]
+        bought = self._bought(result, pending["running"])
+        step = AutoPlanStep(
+            batch_idx, result.plan, result.step_seconds, measured, result.gap, bought, result.migration_seconds,
+            result.planning_seconds, pending["looked_ahead"],
+        )
+        self.history.append(step)
+        metrics = {
+            "auto/predicted_step_s": step.predicted_step_seconds,
+            "auto/measured_step_s": step.measured_step_seconds,
+            "auto/gap": step.gap,
+            "auto/planning_s": step.planning_seconds,
+            "auto/migration_s": step.migration_seconds,
+            "auto/looked_ahead": float(step.looked_ahead),
+            "auto/num_microbatches": float(step.plan.num_microbatches),
+            "auto/balanced_microbatches": float(step.plan.microbatch_sizes is not None),
+            "auto/memory_plan": float(step.plan.memory is not None and not step.plan.memory.is_empty),
+        }
+        metrics.update({f"auto/bought_{lever}_s": s for lever, s in bought.items() if math.isfinite(s)})
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        log.debug("AutoPlanner: %s", step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Finish a plan still running in the background."""
+        if self._job is not None:
+            self._job.thread.join()
+            self._job = None
+
+    # --- planning ------------------------------------------------------------------------------------
+
+    def _config(self, strategy: Any) -> JointConfig:
+        return JointConfig(
+            families=self.families, microbatch_counts=self.microbatch_counts or (strategy.num_microbatches,),
+            microbatching=self.microbatching, memory_options=self.memory_options, memory_method=self.memory_method,
+            relative_gap=self.relative_gap, partition_time_limit=self.partition_time_limit,
+        )
+
+    def _plan(
+        self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any
+    ) -> JointPlan:
+        model = self._model
+        assert model is not None
+        ranks = strategy.pipeline_parallel_size
+
+        def migration(plan: PipelinePlan) -> float:
+            seconds = plan_migration_seconds(model, running, plan, ranks)
+            return seconds * (1.0 + self.margin) / self.horizon_steps
+
+        stage_counts = sorted({ranks * s for s in self._stages_per_rank()} | {ranks})
+        defaults = [strategy.default_boundaries(n) for n in stage_counts if n <= model.num_blocks]
+        if profile is not None and profile.num_blocks != model.num_blocks:
+            profile = None
+        return plan_joint(
+            model, lengths, ranks, budget, profile=profile, config=self._config(strategy), current=running,
+            partitions=defaults, migration=migration,
+        )
+
+    def _stages_per_rank(self) -> set[int]:
+        return {resolve_schedule(f).stages_per_rank for f in self.families}
+
+    @staticmethod
+    def _bought(result: JointPlan, running: PipelinePlan) -> dict[str, float]:
+        held = {
+            "partition": {"boundaries": running.boundaries},
+            "family": {"schedule": running.schedule.name},
+            "microbatching": {"microbatching": EVEN},
+            "memory": {"memory": None},
+        }
+        return {lever: result.best_where(**fixed) - result.step_seconds for lever, fixed in held.items()}
+
+    def _sample_lengths(self, strategy: Any, batch: Any) -> list[int]:
+        return [n for mb in strategy.costs.microbatch_lengths(batch, self.lengths_fn) for n in mb]
+
+    @staticmethod
+    def _heaviest(per_replica: list[list[int]]) -> list[int]:
+        return max(per_replica, key=lambda lengths: (sum(n * n for n in lengths), sum(lengths)))
+
+    def _cost_model(self, strategy: Any, batch: Any, lengths: list[int]) -> CostModel:
+        costs = strategy.costs
+        if isinstance(self.cost_model, (str, Path)):
+            costs.load(self.cost_model)
+        elif isinstance(self.cost_model, CostModel):
+            costs.use_model(self.cost_model)
+        elif costs.estimate is None:
+            costs.use(costs.meta_estimate(batch, max(lengths), len(lengths)))  # balanced sizes may hold any count
+        return costs.estimate.cost_model

@@ -1,0 +1,60 @@
+"""Apply the one plan of a step: merge the callbacks' proposals, install and migrate once.
+
+``ElasticPipelineStrategy.on_train_batch_start`` runs after every callback's hook; it calls
+:func:`apply_proposals`, which merges what the callbacks proposed (``planning/proposals.py``: the
+rule) and applies the result with ``strategy.apply_plan`` only when it differs from the running plan:
+one program build and validation, one migration per step, whatever the number of callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.planning.proposals import MergedPlan, PlanProposal, merge_proposals
+from lightning_pipe.runtime.migration import MigrationReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanApplication:
+    """How one step's plan was decided and applied (``strategy.last_application``).
+
+    Attributes:
+        batch_idx: the batch the plan is for.
+        merged: the merged plan, the winning source of each part and what was overridden.
+        changed: whether the plan differs from the one before (and was applied).
+        migration: what this rank moved (None without a change).
+        seconds: wall seconds of merging (memory planning included) and applying on this rank.
+        finished: ``time.perf_counter()`` when the plan was in place (the step starts after).
+    """
+
+    batch_idx: int
+    merged: MergedPlan
+    changed: bool
+    migration: MigrationReport | None
+    seconds: float
+    finished: float
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The plan the step runs."""
+        return self.merged.plan
+
+
+def apply_proposals(strategy: Any, proposals: Sequence[PlanProposal], batch_idx: int) -> PlanApplication:
+    """Merge ``proposals`` with the running plan and apply the result once if it changed."""
+    started = time.perf_counter()
+    current = strategy.plan
+    merged = merge_proposals(current, proposals, strategy.pipeline_parallel_size, strategy.default_boundaries)
+    for source, part, reason in merged.overridden:
+        log.debug("batch %d: %s's %s proposal not used: %s", batch_idx, source, part, reason)
+    changed = merged.plan != current
+    migration = strategy.apply_plan(merged.plan) if changed else None
+    finished = time.perf_counter()
+    return PlanApplication(batch_idx, merged, changed, migration, finished - started, finished)

@@ -1,0 +1,74 @@
+"""The joint planner: fits the budget, never slower than one lever alone, states its gap."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipe.planning import MemoryBudgetError, gpt_cost_model, plan_partition
+from lightning_pipe.planning.joint import JointConfig, evaluate_plan, memory_profile_from_cost_model, plan_joint
+from lightning_pipe.planning.memory_model import MemoryPlan, predict_memory
+from lightning_pipe.planning.microbatching import even_microbatch_sizes, microbatch_shapes
+from lightning_pipe.planning.plan import PipelinePlan
+
+RANKS = 2
+LENGTHS = [4096, 256, 300, 128, 2048, 96, 64, 1024]  # long-tailed: balanced sizes help
+
+
+def _model():
+    return gpt_cost_model(8, 1024, 8, 8000)
+
+
+def _config(**kwargs):
+    return JointConfig(families=("1f1b", "gpipe", "interleaved_1f1b"), microbatch_counts=(2, 4), **kwargs)
+
+
+def _static(model, budget):
+    """1F1B, 4 even microbatches, the best partition for this batch, the best memory plan for it."""
+    shapes = microbatch_shapes(LENGTHS, even_microbatch_sizes(len(LENGTHS), 4))
+    boundaries = plan_partition(model, shapes, "1f1b", RANKS).boundaries
+    return evaluate_plan(model, LENGTHS, PipelinePlan(boundaries, "1f1b", 4), RANKS, budget)
+
+
+def _peak(plan, profile):
+    shapes = microbatch_shapes(LENGTHS, plan.microbatch_sizes or even_microbatch_sizes(len(LENGTHS), plan.num_microbatches))
+    program = plan.schedule.build(RANKS, len(shapes))
+    return max(predict_memory(program, plan.boundaries, shapes, plan.memory or MemoryPlan(), profile).peak_bytes)
+
+
+def test_without_a_binding_budget_the_plan_is_proven_optimal():
+    model = _model()
+    joint = plan_joint(model, LENGTHS, RANKS, None, config=_config())
+    assert joint.gap == pytest.approx(0.0, abs=1e-12)
+    assert joint.step_seconds == pytest.approx(min(c.step_seconds for c in joint.candidates))
+    assert joint.plan.memory is None
+    assert joint.step_seconds <= _static(model, None)[0]
+    # the levers: holding the microbatching even costs time on this long-tailed batch
+    assert joint.best_where(microbatching="even") > joint.step_seconds
+
+
+def test_a_binding_budget_is_met_and_the_gap_is_stated():
+    model = _model()
+    profile = memory_profile_from_cost_model(model)
+    unlimited = plan_joint(model, LENGTHS, RANKS, None, config=_config())
+    budget = 0.8 * _peak(unlimited.plan, profile)
+    joint = plan_joint(model, LENGTHS, RANKS, budget, config=_config())
+    assert _peak(joint.plan, profile) <= budget
+    assert joint.lower_bound_seconds <= joint.step_seconds
+    assert joint.gap == pytest.approx(joint.step_seconds / joint.lower_bound_seconds - 1)
+    assert joint.step_seconds >= unlimited.step_seconds  # the budget costs time, never saves it
+    static_seconds, _ = _static(model, budget)
+    assert joint.step_seconds <= static_seconds
+
+
+def test_nothing_fits():
+    with pytest.raises(MemoryBudgetError, match="No plan fits"):
+        plan_joint(_model(), LENGTHS, RANKS, 1.0, config=_config())
+
+
+def test_partition_time_limit_returns_the_best_found():
+    model = _model()
+    shapes = microbatch_shapes(LENGTHS, even_microbatch_sizes(len(LENGTHS), 4))
+    exact = plan_partition(model, shapes, "1f1b", RANKS)
+    stopped = plan_partition(model, shapes, "1f1b", RANKS, time_limit=0.0)
+    assert exact.proven_optimal and not stopped.proven_optimal
+    assert stopped.step_seconds >= exact.step_seconds
