@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from lightning_pipe.planning.plan import PipelinePlan
+    from lightning_pipe.planning.proposals import PlanProposal
     from lightning_pipe.runtime.groups import RankLayout
     from lightning_pipe.runtime.migration import MigrationReport
     from lightning_pipe.schedules import Program, Schedule
@@ -58,12 +59,22 @@ class PipelineStrategy(Protocol):
         """Microbatches per batch."""
 
     @property
+    def world_size(self) -> int:
+        """Number of processes."""
+
+    @property
     def layout(self) -> RankLayout:
         """This process's place in the pipeline x data-parallel grid."""
 
     @property
     def plan(self) -> PipelinePlan:
         """The plan in force."""
+
+    def propose(self, proposal: PlanProposal) -> None:
+        """Propose parts of the next step's plan; the strategy merges all proposals and applies one plan."""
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of global rank ``src`` on every process."""
 
     def apply_plan(self, plan: PipelinePlan) -> Any:
         """Make ``plan`` the plan of the next step (moving units if the partition changes)."""
