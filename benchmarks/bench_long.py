@@ -67,25 +67,13 @@ def build() -> GPT:
 def run_lightning(name: str, packing, args: argparse.Namespace, out: Path) -> None:
     import lightning as L
 
+    from benchmarks.step_timer import StepTimer
     from lightning_pipe import ElasticPipelineStrategy
     from tests.helpers.training import BatchDataset
 
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.seconds: list[float] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            dist.barrier()
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            dist.barrier()
-            if batch_idx >= args.warmup:
-                self.seconds.append(time.perf_counter() - self.start)
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            if trainer.global_rank == 0:
-                out.write_text(json.dumps(self.seconds))
+    def save(trainer, seconds: list[float]) -> None:
+        if trainer.global_rank == 0:
+            out.write_text(json.dumps(seconds))
 
     torch.set_num_threads(1)
     strategy = ElasticPipelineStrategy(
@@ -94,7 +82,7 @@ def run_lightning(name: str, packing, args: argparse.Namespace, out: Path) -> No
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[Timer()],
+        callbacks=[StepTimer(args.warmup, save)],
     )
     batches = make_batches(args.warmup + args.steps)
     trainer.fit(build(), torch.utils.data.DataLoader(BatchDataset(batches), batch_size=None))

@@ -29,16 +29,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.bench_varlen import DecoderLM, pad  # noqa: E402
+from benchmarks.step_timer import StepTimer  # noqa: E402
 
 CONFIGS = ("fixed", "new-lengths", "probe-always")
 
@@ -69,27 +68,14 @@ def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     batches = make_batches(args, varying=args.worker != "fixed")
 
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.start, self.seconds = 0.0, []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            dist.barrier()
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            dist.barrier()
-            if batch_idx >= args.warmup:
-                self.seconds.append(time.perf_counter() - self.start)
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            Path(args.out, f"{args.worker}-rank{trainer.global_rank}.json").write_text(json.dumps(self.seconds))
+    def save(trainer, seconds: list[float]) -> None:
+        Path(args.out, f"{args.worker}-rank{trainer.global_rank}.json").write_text(json.dumps(seconds))
 
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=args.warmup + args.steps, limit_val_batches=0, num_sanity_val_steps=0,
         strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=args.microbatches),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Timer()], use_distributed_sampler=False,
+        callbacks=[StepTimer(args.warmup, save)], use_distributed_sampler=False,
     )
     torch.manual_seed(args.seed)
     trainer.fit(DecoderLM(args.layers, args.width, args.heads), torch.utils.data.DataLoader(batches, batch_size=None))

@@ -284,29 +284,17 @@ def run_ddp_rank(rank: int, args: argparse.Namespace, store: str, out: str, conf
 
 
 def run_lightning_pipe(args: argparse.Namespace, out: str, config: str) -> None:
+    from benchmarks.step_timer import StepTimer
     from lightning_pipe import ElasticPipelineStrategy
     from lightning_pipe.callbacks import ElasticRepartition
 
     torch.set_num_threads(1)
     batches = make_batches(args)
 
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.start, self.seconds = 0.0, []
+    def save(trainer, seconds: list[float]) -> None:
+        write(out, config, trainer.global_rank, seconds, batches, args)
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            dist.barrier()
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            dist.barrier()
-            if batch_idx >= args.warmup:
-                self.seconds.append(time.perf_counter() - self.start)
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            write(out, config, trainer.global_rank, self.seconds, batches, args)
-
-    callbacks = [Timer()] + ([ElasticRepartition()] if config == "lp-repartition" else [])
+    callbacks = [StepTimer(args.warmup, save)] + ([ElasticRepartition()] if config == "lp-repartition" else [])
     strategy = ElasticPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=args.microbatches, schedule="1f1b", trim_padding=config != "lp-padded"
     )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 
 import lightning as L
 
+from lightning_pipe.callbacks._lookahead import LookaheadJob
 from lightning_pipe.planning.cost_model import CostModel
 from lightning_pipe.planning.joint import EVEN, JointConfig, JointPlan, plan_joint, plan_migration_seconds
 from lightning_pipe.planning.memory_model import FULL, OFFLOAD, MemoryPlan, parse_size
@@ -72,30 +72,6 @@ class AutoPlanStep:
     migration_seconds: float
     planning_seconds: float
     looked_ahead: bool
-
-
-class _Job:
-    """One joint plan computed on a background thread."""
-
-    def __init__(self, key: tuple, compute: Callable[[], JointPlan]) -> None:
-        self.key = key
-        self.result: JointPlan | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(compute,), name="AutoPlanner-plan", daemon=True)
-        self.thread.start()
-
-    def _run(self, compute: Callable[[], JointPlan]) -> None:
-        try:
-            self.result = compute()
-        except BaseException as error:  # noqa: BLE001  (re-raised in the training thread by join())
-            self.error = error
-
-    def join(self) -> JointPlan:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
 
 
 class AutoPlanner(L.Callback):
@@ -160,7 +136,7 @@ class AutoPlanner(L.Callback):
         self.lookahead = lookahead
         self.priority = priority
         self.history: list[AutoPlanStep] = []
-        self._job: _Job | None = None
+        self._job: LookaheadJob | None = None
         self._pending: dict[str, Any] = {}
         self._model: CostModel | None = None
 
@@ -219,7 +195,9 @@ class AutoPlanner(L.Callback):
             next_key = (
                 tuple(upcoming_lengths), next_running.boundaries, next_running.schedule, next_running.num_microbatches
             )
-            self._job = _Job(next_key, lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile))
+            self._job = LookaheadJob(
+                next_key, lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile), "AutoPlanner-plan"
+            )
         self._pending = {
             "batch_idx": batch_idx, "result": result, "looked_ahead": looked_ahead, "running": running,
             "started": time.perf_counter(),

@@ -27,8 +27,8 @@ migration seconds) are replaced by their maximum over all ranks before they feed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import lightning as L
 
+from lightning_pipe.callbacks._lookahead import LookaheadJob
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.memory_model import parse_size
 from lightning_pipe.planning.migration import estimate_migration
@@ -108,30 +109,6 @@ class _Plan:
     seconds: float
 
 
-class _Job:
-    """One plan computed in a background thread."""
-
-    def __init__(self, key: _PlanKey, compute: Callable[[_PlanKey], _Plan]) -> None:
-        self.key = key
-        self.result: _Plan | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(compute,), name="ElasticRepartition-plan", daemon=True)
-        self.thread.start()
-
-    def _run(self, compute: Callable[[_PlanKey], _Plan]) -> None:
-        try:
-            self.result = compute(self.key)
-        except BaseException as error:  # noqa: BLE001  (re-raised in the training thread by join())
-            self.error = error
-
-    def join(self) -> _Plan:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
-
 class ElasticRepartition(L.Callback):
     """Repartition the pipeline's blocks per batch (see the module docstring).
 
@@ -195,7 +172,7 @@ class ElasticRepartition(L.Callback):
         self.priority = priority
         self.history: list[RepartitionStep] = []
         self._recent: deque[tuple[MicrobatchShape, ...]] = deque(maxlen=recent_steps)
-        self._job: _Job | None = None
+        self._job: LookaheadJob | None = None
         self._migration_seconds: list[float] = []
         self._time_scale = 1.0  # measured / predicted step seconds (running average)
         self._time_scale_count = 0
@@ -249,7 +226,7 @@ class ElasticRepartition(L.Callback):
             upcoming_shapes = tuple(costs.shapes(costs.heaviest([e[1] for e in everyone])))
             running = plan.candidate.boundaries if decision.migrate else tuple(strategy.boundaries)
             next_key = _PlanKey(model, upcoming_shapes, tuple(running), strategy.schedule, tuple(self._recent))
-            self._job = _Job(next_key, self._plan)
+            self._job = LookaheadJob(next_key, functools.partial(self._plan, next_key), "ElasticRepartition-plan")
         self._pending.update(
             batch_idx=batch_idx,
             global_step=trainer.global_step,
