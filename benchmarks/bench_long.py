@@ -67,7 +67,7 @@ def build() -> GPT:
 def run_lightning(name: str, packing, args: argparse.Namespace, out: Path) -> None:
     import lightning as L
 
-    from benchmarks.step_timer import StepTimer
+    from benchmarks.harness import StepTimer
     from lightning_pipe import ElasticPipelineStrategy
     from tests.helpers.training import BatchDataset
 

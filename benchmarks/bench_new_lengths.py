@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.bench_varlen import DecoderLM, pad  # noqa: E402
-from benchmarks.step_timer import StepTimer  # noqa: E402
+from benchmarks.harness import StepTimer, run_ranks  # noqa: E402
 
 CONFIGS = ("fixed", "new-lengths", "probe-always")
 
@@ -83,16 +82,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def launch(config: str, args: argparse.Namespace, out: str) -> float:
     """Median step seconds of ``config`` (slowest rank per step), run in fresh processes."""
-    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-             ("steps", "warmup", "batch", "microbatches", "length", "spread", "layers", "width", "heads", "seed")]
-    command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
-    ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob(f"{config}-rank*.json"))]
-    if completed.returncode != 0 or len(ranks) != 2:
-        raise SystemExit(f"{config} failed:\n{completed.stderr[-3000:]}")
-    for path in Path(out).glob(f"{config}-rank*.json"):
-        path.unlink()
+    ranks = run_ranks(__file__, config, out, args, (
+        "steps", "warmup", "batch", "microbatches", "length", "spread", "layers", "width", "heads", "seed"))
     return statistics.median(max(pair) for pair in zip(*ranks))
 
 

@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.harness import StepTimer, run_ranks  # noqa: E402
 
 CONFIGS = {
     "torch-max": "torch Schedule1F1B, padded to the trace max",
@@ -284,7 +284,6 @@ def run_ddp_rank(rank: int, args: argparse.Namespace, store: str, out: str, conf
 
 
 def run_lightning_pipe(args: argparse.Namespace, out: str, config: str) -> None:
-    from benchmarks.step_timer import StepTimer
     from lightning_pipe import ElasticPipelineStrategy
     from lightning_pipe.callbacks import ElasticRepartition
 
@@ -326,17 +325,9 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def launch(config: str, args: argparse.Namespace, out: str) -> float:
     """Run ``config`` in fresh processes; its real tokens per second (median step of the slowest rank)."""
-    for path in Path(out).glob(f"{config}-*"):
-        path.unlink()
-    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-             ("steps", "warmup", "batch", "microbatches", "trace", "median", "max_len", "bucket", "layers", "width",
-              "heads", "seed")]
-    command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
-    ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob(f"{config}-rank*.json"))]
-    if completed.returncode != 0 or len(ranks) != 2:
-        raise SystemExit(f"{config} failed:\n{completed.stderr[-3000:]}")
+    ranks = run_ranks(__file__, config, out, args, (
+        "steps", "warmup", "batch", "microbatches", "trace", "median", "max_len", "bucket", "layers", "width", "heads",
+        "seed"))
     step = [max(pair) for pair in zip(ranks[0]["seconds"], ranks[1]["seconds"])]
     # real tokens over the steps' median time: the median step scaled to the mean real tokens a step
     return statistics.fmean(ranks[0]["tokens"]) / statistics.median(step)

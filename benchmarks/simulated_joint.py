@@ -162,18 +162,13 @@ class Runner:
         """The best plan of ``family`` for the longest batch, full recompute when nothing fits without
         (None when nothing is found)."""
         shapes = self.shapes(self.longest)
-        try:
-            boundaries = plan_partition(self.model, shapes, family, self.stages, self.limit, time_limit=LIMIT).boundaries
-            return PipelinePlan(boundaries, family, len(shapes))
-        except ValueError:
-            pass
-        try:
-            boundaries = plan_partition(
-                self.recompute_model, shapes, family, self.stages, self.limit, time_limit=LIMIT
-            ).boundaries
-        except ValueError:
-            return None
-        return PipelinePlan(boundaries, family, len(shapes), MemoryPlan.from_options("full"))
+        for model, memory in ((self.model, None), (self.recompute_model, MemoryPlan.from_options("full"))):
+            try:
+                boundaries = plan_partition(model, shapes, family, self.stages, self.limit, time_limit=LIMIT).boundaries
+            except ValueError:  # nothing fits with this memory plan: try the next
+                continue
+            return PipelinePlan(boundaries, family, len(shapes), memory)
+        return None
 
     def price(self, lengths, plan: PipelinePlan, plan_memory: bool = False) -> tuple[float, PipelinePlan]:
         """Step seconds of ``plan`` on a batch (inf if it does not fit); with ``plan_memory`` the best
