@@ -27,7 +27,6 @@ across sequences), naming what to change.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.model.attention import KeyValueStore, PackedAttention, SlicedAttention
+from lightning_pipe.runtime.side_runs import relative_tolerance
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -452,7 +452,7 @@ def packing_difference(
             "the first stage's output has no token dimension [1, T, ...] to compare (shapes "
             f"{[tuple(t.shape) for t in packed]})"
         )
-    tolerance = _tolerance(packed[0].dtype)
+    tolerance = relative_tolerance(packed[0].dtype)
     if worst[0] <= tolerance:
         return None
     sample, position, index = worst[1]
@@ -503,36 +503,13 @@ def slicing_difference(
             worst, where = error, index
     if where is None and worst == 0.0 and not any(w.dim() >= 2 for w in alone):
         return f"the first stage's output has no token dimension to compare (shapes {[tuple(t.shape) for t in alone]})"
-    tolerance = _tolerance(alone[0].dtype)
+    tolerance = relative_tolerance(alone[0].dtype)
     if worst <= tolerance:
         return None
     return (
         f"sequence {sample}, cut into {count} slices, gets a first-stage output (tensor {where}) that differs from its "
         f"unsliced output by {worst:.2e} (relative; allowed {tolerance:.0e})"
     )
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    if dtype == torch.float64:
-        return 1e-9
-    if dtype in (torch.float16, torch.bfloat16):
-        return 3e-2
-    return 1e-4
-
-
-@contextlib.contextmanager
-def quiet_forward(module: torch.nn.Module):
-    """Run extra forwards that must leave no trace: evaluation mode (no dropout) and the random
-    number generators restored afterwards."""
-    modes = [(m, m.training) for m in module.modules()]
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        module.train(False)
-        try:
-            yield
-        finally:
-            for m, training in modes:
-                m.training = training
 
 
 REFUSAL = (

@@ -18,18 +18,19 @@ a forked random-number state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_pipe.model.metrics import metrics_inert
 from lightning_pipe.model.stage_runner import StageRunner, StageSpan
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime._torch_compat import tree_flatten
 from lightning_pipe.runtime.executor import PipelineExecutor, StepWork
+from lightning_pipe.runtime.side_runs import quiet_forward, relative_tolerance
 from lightning_pipe.runtime.microbatch import MicrobatchPlan
 from lightning_pipe.schedules.ir import Program
 
@@ -106,13 +107,10 @@ def check_trimming(
     program, count = _program_of_two(program_for, plan.num_microbatches)
     steps = [(cut, *rest)] + [(whole, *rest)] * (count - 1)
     with ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
-        stack.enter_context(torch.random.fork_rng(devices=_cuda_devices(module)))
-        stack.enter_context(metrics_inert(module))
+        stack.enter_context(quiet_forward(module))
         stack.enter_context(torch.autocast("cpu", enabled=False))
         if torch.cuda.is_available():
             stack.enter_context(torch.autocast("cuda", enabled=False))
-        stack.enter_context(_evaluation_mode(module))
         outcome = executor.run(program, spans, StepWork(step_name, steps, block_wrapper=recorder))
     differences = []
     for (microbatch, index), output in sorted(outputs.items(), key=lambda kv: kv[0][::-1]):
@@ -157,31 +155,10 @@ def _compare(cut: Any, whole: Any, window: tuple[int, int] | None, real: Tensor 
             a, b = a[mask], b.narrow(1, window[0], window[1] - window[0])[mask]
         elif a.shape != b.shape:
             continue  # not per position: the step's result covers it
-        tolerance = _tolerance(b.dtype)
+        tolerance = relative_tolerance(b.dtype)
         scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
         if not torch.allclose(a.to(b.dtype), b, rtol=tolerance, atol=tolerance * scale):
             found.append(
                 f"{where} differs at the real tokens (largest difference {float((a.to(b.dtype) - b).abs().max()):.3g})"
             )
     return found
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    """Relative tolerance of one comparison: a reduction over another length reorders sums."""
-    return {torch.float64: 1e-9, torch.complex128: 1e-9, torch.float32: 1e-4, torch.complex64: 1e-4}.get(dtype, 2e-2)
-
-
-def _cuda_devices(module: nn.Module) -> list[int]:
-    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-
-
-@contextmanager
-def _evaluation_mode(module: nn.Module):
-    """Every submodule in evaluation mode inside, each back in its own mode after."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for submodule, training in modes:
-            submodule.training = training

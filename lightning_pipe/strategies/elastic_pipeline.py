@@ -65,6 +65,7 @@ from lightning_pipe.runtime.microbatch import (
     tensor_shapes,
 )
 from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
+from lightning_pipe.runtime.side_runs import quiet_forward
 from lightning_pipe.runtime.packing import (
     REFUSAL,
     Packer,
@@ -72,7 +73,6 @@ from lightning_pipe.runtime.packing import (
     check_microbatch,
     packed_block_wrapper,
     packing_difference,
-    quiet_forward,
     slicing_difference,
 )
 from lightning_pipe.model.attention import KeyValueStore
@@ -826,7 +826,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 return [t for t in result.outputs if isinstance(t, Tensor)]
 
             try:
-                with quiet_forward(self.lightning_module), metrics_inert(self.lightning_module):
+                with quiet_forward(self.lightning_module):
                     verdict = packing_difference(run_stage, batch, plan, mb) if mb is not None else None
                     if verdict is None and sliced:
                         verdict = slicing_difference(run_stage, batch, plan)
