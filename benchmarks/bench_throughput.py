@@ -86,6 +86,7 @@ class RankResult:
     param_bytes: int
     final_loss: float
     breakdown: dict = field(default_factory=dict)
+    cpu_seconds: list[float] = field(default_factory=list)
 
 
 def peak_rss_bytes() -> int:
@@ -136,23 +137,25 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def timed_steps(args, step_fn, barrier=lambda: None) -> tuple[list[float], float]:
+def timed_steps(args, step_fn, barrier=lambda: None) -> tuple[list[float], list[float], float]:
     """Runs warmup steps, then times `args.steps` steps, each between barriers.
 
     Returns:
-        The wall time of each timed step in seconds, and the loss of the last step.
+        The wall time of each timed step in seconds, the CPU time the process (all its threads)
+        spent in it, and the loss of the last step.
     """
     loss = float("nan")
     for i in range(args.warmup):
         loss = step_fn(i)
-    step_seconds = []
+    step_seconds, cpu_seconds = [], []
     for i in range(args.warmup, args.warmup + args.steps):
         barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = step_fn(i)
         barrier()
         step_seconds.append(time.perf_counter() - start)
-    return step_seconds, loss
+        cpu_seconds.append(time.process_time() - cpu_start)
+    return step_seconds, cpu_seconds, loss
 
 
 # ----------------------------------------------------------------------------- (a) one process
@@ -173,14 +176,18 @@ def run_single(args: argparse.Namespace, config: str, threads: int) -> list[Rank
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    seconds, loss = timed_steps(args, step)
+    *seconds, loss = timed_steps(args, step)
     return [result(args, config, 0, 1, seconds, rss_before, param_bytes(model), loss)]
 
 
-def result(args, config, rank, world_size, step_seconds, rss_before, held, loss) -> RankResult:
+def result(args, config, rank, world_size, seconds, rss_before, held, loss) -> RankResult:
+    """One rank's measurement; `seconds` is (wall seconds per step, CPU seconds per step)."""
     peak = peak_rss_bytes()
     tokens = args.global_batch * args.seq_len
-    return RankResult(config, rank, world_size, tokens, step_seconds, peak, peak - rss_before, held, loss)
+    step_seconds, cpu_seconds = seconds
+    return RankResult(
+        config, rank, world_size, tokens, step_seconds, peak, peak - rss_before, held, loss, cpu_seconds=cpu_seconds
+    )
 
 
 # ----------------------------------------------------------------------------- (b) DDP
@@ -205,7 +212,7 @@ def run_ddp_rank(rank: int, args: argparse.Namespace, store: str, out: str) -> N
         dist.all_reduce(mean_loss)
         return mean_loss.item() / 2
 
-    seconds, loss = timed_steps(args, step, dist.barrier)
+    *seconds, loss = timed_steps(args, step, dist.barrier)
     write(out, result(args, "ddp", rank, 2, seconds, rss_before, param_bytes(model), loss))
     dist.destroy_process_group()
 
@@ -272,7 +279,7 @@ def run_torch_1f1b_rank(rank: int, args: argparse.Namespace, store: str, out: st
         dist.broadcast(mean_loss, src=1)
         return mean_loss.item()
 
-    seconds, loss = timed_steps(args, step, dist.barrier)
+    *seconds, loss = timed_steps(args, step, dist.barrier)
     write(out, result(args, "torch-1f1b", rank, 2, seconds, rss_before, param_bytes(module), loss))
     dist.destroy_process_group()
 
@@ -298,21 +305,22 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
 
     class Timer(L.Callback):
         def __init__(self) -> None:
-            self.start = 0.0
-            self.step_seconds = []
+            self.start = self.cpu_start = 0.0
+            self.step_seconds, self.cpu_seconds = [], []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if batch_idx >= args.warmup:
                 dist.barrier()
-                self.start = time.perf_counter()
+                self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if batch_idx >= args.warmup:
                 dist.barrier()
                 self.step_seconds.append(time.perf_counter() - self.start)
+                self.cpu_seconds.append(time.process_time() - self.cpu_start)
 
         def on_train_end(self, trainer, pl_module) -> None:
-            seconds = self.step_seconds
+            seconds = self.step_seconds, self.cpu_seconds
             loss = trainer.callback_metrics.get("train_loss", torch.tensor(float("nan"))).item()
             held = param_bytes(pl_module)
             rank = trainer.global_rank
@@ -499,7 +507,7 @@ def main() -> None:
 
 def run_pairs(args: argparse.Namespace, load_before: float) -> None:
     """torch's Schedule1F1B and lightning-pipe alternately, ``--pairs`` times: ratio per pair, median."""
-    ratios, breakdowns = [], []
+    ratios, breakdowns, cpu = [], [], {}
     with tempfile.TemporaryDirectory() as out:
         for pair in range(args.pairs):
             order = ["torch-1f1b", "lightning-pipe"] if pair % 2 == 0 else ["lightning-pipe", "torch-1f1b"]
@@ -512,11 +520,17 @@ def run_pairs(args: argparse.Namespace, load_before: float) -> None:
                 step_seconds = [max(times) for times in zip(*(r.step_seconds for r in results))]
                 throughput[config] = results[0].tokens_per_step / statistics.median(step_seconds)
                 breakdowns += [r.breakdown for r in results if r.breakdown and r.rank == 0]
+                for r in results:
+                    cpu.setdefault((config, r.rank), []).append(statistics.median(r.cpu_seconds))
             ratios.append(throughput["lightning-pipe"] / throughput["torch-1f1b"])
             print(f"pair {pair}: torch-1f1b {throughput['torch-1f1b']:,.0f} tokens/s, lightning-pipe "
                   f"{throughput['lightning-pipe']:,.0f} tokens/s, ratio {ratios[-1]:.3f}", flush=True)
     print(f"median ratio lightning-pipe / torch Schedule1F1B over {args.pairs} alternating pairs: "
           f"{statistics.median(ratios):.3f}  (1-minute load before: {load_before:.2f})")
+    print("\nCPU seconds per step (process time of all threads, median of the pairs' medians; it varies")
+    print("less with other load than wall time, so it separates work done from time spent waiting):")
+    for (config, rank), values in sorted(cpu.items()):
+        print(f"  {config:16s} rank {rank}  {statistics.median(values) * 1e3:8.2f} ms")
     if breakdowns:
         print("\nlightning-pipe, rank 0, median seconds per step (of the pairs' medians):")
         for part in breakdowns[0]:

@@ -5,18 +5,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "PYTREE_NODES",
     "BatchNormBase",
+    "function_modes_removed",
     "legacy_reduction",
     "private_name",
     "tensor_registries",
     "tree_flatten",
+    "tree_leaves",
     "tree_map",
     "tree_unflatten",
     "view_base",
@@ -42,6 +47,32 @@ def private_name(module: str, name: str, home: str = "model/_torch_compat.py") -
 tree_flatten = private_name("torch.utils._pytree", "tree_flatten")
 tree_map = private_name("torch.utils._pytree", "tree_map")
 tree_unflatten = private_name("torch.utils._pytree", "tree_unflatten")
+_pytree_leaves = private_name("torch.utils._pytree", "tree_leaves")
+PYTREE_NODES = private_name("torch.utils._pytree", "SUPPORTED_NODES")
+
+
+def tree_leaves(value: Any) -> list[Any]:
+    """pytree's leaves of ``value``, in pytree's order.
+
+    The arguments of a call are almost always tuples, lists and dicts of tensors and numbers; for
+    those a plain loop gives the same leaves several times faster than pytree (which the stage
+    runner otherwise paid a few times per block and microbatch). Anything else goes to pytree.
+    """
+    leaves: list[Any] = []
+    return leaves if _plain_leaves(value, leaves) else _pytree_leaves(value)
+
+
+def _plain_leaves(value: Any, leaves: list[Any]) -> bool:
+    """Append the leaves of a nest of exact tuples, lists and dicts; False on any other container."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return all(_plain_leaves(item, leaves) for item in value)
+    if kind is dict:
+        return all(_plain_leaves(item, leaves) for item in value.values())
+    if kind in PYTREE_NODES or isinstance(value, (tuple, list, dict)):  # namedtuples, OrderedDicts, ...
+        return False
+    leaves.append(value)
+    return True
 # the common base of BatchNorm1d/2d/3d and their lazy forms (layers that mix samples)
 BatchNormBase = private_name("torch.nn.modules.batchnorm", "_BatchNorm")
 
@@ -65,3 +96,34 @@ def legacy_reduction(size_average: Any, reduce: Any) -> str:
 def view_base(tensor: Tensor) -> Tensor | None:
     """The tensor ``tensor`` is a view of (None for a tensor that owns its storage)."""
     return tensor._base
+
+
+_mode_stack = private_name("torch.overrides", "_get_current_function_mode_stack")
+_pop_mode = private_name("torch.overrides", "_pop_mode")
+_push_mode = private_name("torch.overrides", "_push_mode")
+
+
+@contextlib.contextmanager
+def function_modes_removed(remove: Callable[[Any], bool]) -> Iterator[None]:
+    """Run the body with the torch-function modes for which ``remove(mode)`` holds taken off the mode
+    stack (the others stay, in their order), and restore the stack as it was afterwards.
+
+    A mode that does nothing in a region still costs a Python call per operation there (a few
+    microseconds, a few percent of a CPU step); taking it off the stack costs nothing per operation.
+    """
+    stack = _mode_stack()
+    kept = [mode for mode in stack if not remove(mode)]
+    if len(kept) == len(stack):
+        yield
+        return
+    for _ in stack:
+        _pop_mode()
+    for mode in kept:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for mode in stack:
+            _push_mode(mode)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_pipe.model._torch_compat import tree_flatten, tree_map, view_base
+from lightning_pipe.model._torch_compat import tree_flatten, tree_leaves, tree_map, view_base
 
 Source = tuple  # ("param", name) | ("block", index) | ("inside", index) | ("unknown",)
 
@@ -269,14 +269,8 @@ def real_devices(func: Any, args: tuple, kwargs: dict, device: torch.device) -> 
 
 
 def _tensor_leaves(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors among a call's arguments (a flat loop for the usual flat calls, pytree otherwise)."""
-    leaves = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tensor):
-            leaves.append(value)
-        elif isinstance(value, (list, tuple, dict)):
-            return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-    return leaves
+    """The tensors among a call's arguments."""
+    return [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
 
 
 def _name(func: Any) -> str:
@@ -311,7 +305,7 @@ def _to_meta(value: Any) -> Any:
 def find_tainted(mode: PlaceholderMode, value: Any) -> list[tuple[int, Tensor, frozenset]]:
     """``(leaf position, tensor, sources)`` of every placeholder or meta tensor among ``value``'s leaves."""
     found = []
-    for position, leaf in enumerate(tree_flatten(value)[0]):
+    for position, leaf in enumerate(tree_leaves(value)):
         sources = mode.sources_of(leaf)
         if sources is not None:
             found.append((position, leaf, sources))

@@ -32,8 +32,16 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.model.blocks import BlockStack
+from lightning_pipe.model._torch_compat import (
+    PYTREE_NODES,
+    function_modes_removed,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
+from lightning_pipe.model.loss_counting import LossCounter
 from lightning_pipe.model.placeholders import PlaceholderMode, describe_sources, find_tainted
-from lightning_pipe.model._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_pipe.model.shape_rules import ShapeRules, TensorSpec
 
 
@@ -102,16 +110,37 @@ _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, t
 
 def _signature(value: Any) -> Any:
     """Hashable description of a call's arguments: tensor shapes/dtypes, plain values, types of objects."""
+    plain = _plain_signature(value)
+    if plain is not None:
+        return plain
     leaves, spec = tree_flatten(value)
-    described = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            described.append(("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
-        elif isinstance(leaf, _PLAIN):
-            described.append(leaf)
-        else:  # a cache object, a config: its identity must not grow the memo (a new one per step)
-            described.append(("O", type(leaf).__qualname__))
-    return (str(spec), tuple(described))
+    return (str(spec), tuple(_describe_leaf(leaf) for leaf in leaves))
+
+
+def _plain_signature(value: Any) -> Any:
+    """:func:`_signature` of a nest of exact tuples, lists and dicts without pytree (the usual case,
+    and several times faster); None for anything pytree must take apart."""
+    kind = type(value)
+    if kind is tuple or kind is list or kind is dict:
+        items = value.items() if kind is dict else enumerate(value)
+        described = []
+        for key, item in items:
+            inner = _plain_signature(item)
+            if inner is None:
+                return None
+            described.append((key, inner) if kind is dict else inner)
+        return (kind.__name__, tuple(described))
+    if isinstance(value, (tuple, list, dict)) or kind in PYTREE_NODES:
+        return None
+    return ("leaf", _describe_leaf(value))
+
+
+def _describe_leaf(leaf: Any) -> Any:
+    if isinstance(leaf, Tensor):
+        return ("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+    if isinstance(leaf, _PLAIN):
+        return leaf
+    return ("O", type(leaf).__qualname__)  # a cache object, a config: its identity must not grow the memo
 
 
 def _meta_twin(block: nn.Module) -> nn.Module:
@@ -179,6 +208,16 @@ def _suspended(mode: PlaceholderMode):
         yield
     finally:
         mode.active = was
+
+
+def _idle_in_blocks(mode: Any) -> bool:
+    """Modes with nothing to do inside a block this rank runs, taken off the stack there.
+
+    Placeholders only arise outside real blocks, and a loss the counter traces is computed after the
+    blocks; a loss call inside a block would be seen only on the stage that happens to run that block
+    and so depend on the partition. Modes of the model's attention (packing, slicing) stay.
+    """
+    return isinstance(mode, (PlaceholderMode, LossCounter))
 
 
 class StageRunner:
@@ -262,7 +301,7 @@ class StageRunner:
                 "being cut short; the block stack must be called in order, once per step."
             )
         self._check_real_arguments(run, index, args, kwargs)
-        with _suspended(run.mode):
+        with function_modes_removed(_idle_in_blocks):
             if run.wrap_block is not None:
                 output = run.wrap_block(index, original, args, kwargs)
             else:
@@ -328,7 +367,7 @@ class StageRunner:
     def _observe_block(self, run: _ActiveRun, index: int, args: tuple, kwargs: dict) -> Any:
         mode, observation = run.mode, run.observation
         assert observation is not None
-        leaves = [mode.sources_of(t) for t in tree_flatten((args, kwargs))[0]]
+        leaves = [mode.sources_of(t) for t in tree_leaves((args, kwargs))]
         observation.block_calls.append(index)
         observation.block_sources.append(frozenset().union(*[s for s in leaves if s is not None]))
         with _suspended(mode):
@@ -376,7 +415,7 @@ class StageRunner:
                 try:
                     run.result.step_output = getattr(self.root, step_name)(*step_args)
                 except _StageBoundary as boundary:
-                    run.result.outputs = [t for t in tree_flatten(boundary.output)[0] if isinstance(t, Tensor)]
+                    run.result.outputs = [t for t in tree_leaves(boundary.output) if isinstance(t, Tensor)]
             if span.is_last:
                 self._check_results(run.mode, step_name, span, run.result.step_output, recorded)
         finally:
