@@ -31,9 +31,11 @@ Run from the repository root (about one and a half minutes on 2 cores):
     python benchmarks/bench_throughput.py
     python benchmarks/bench_throughput.py --steps 40 --n-layer 12 --only ddp torch-1f1b
     python benchmarks/bench_throughput.py --pairs 5 --breakdown     # torch-1f1b vs lightning-pipe
+    python benchmarks/bench_throughput.py --pairs 5 --schedules 1f1b zb_h1 zbv
 
-``--pairs N`` runs torch's Schedule1F1B and lightning-pipe alternately N times (the order flips
-every pair) and prints each pair's throughput ratio and the median. ``--breakdown`` adds the
+``--pairs N`` runs torch's Schedule1F1B and lightning-pipe (under each family of ``--schedules``,
+default 1f1b) N rounds, rotating the order every round, and prints each round's throughput ratios
+and their medians, and the CPU time per step of every rank. ``--breakdown`` adds the
 ``PipelineMonitor`` to the lightning-pipe runs and prints where rank 0's step went (compute,
 receive waits, sends, the executor between actions, everything outside the program); the monitor
 gathers per-rank timings every step, which costs a little of the throughput it reports.
@@ -340,7 +342,7 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategy_class(schedule="1f1b", num_microbatches=args.microbatches),
+        strategy=strategy_class(schedule=args.schedule, num_microbatches=args.microbatches),
         max_steps=args.warmup + args.steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -394,7 +396,7 @@ def launch(config: str, args: argparse.Namespace, out: str) -> tuple[list[RankRe
 def forwarded_flags(args: argparse.Namespace) -> list[str]:
     names = ["steps", "warmup", "global_batch", "microbatches", "seq_len", "n_layer", "n_head", "n_embd", "seed"]
     flags = [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
-    return flags + (["--breakdown"] if args.breakdown else [])
+    return flags + ["--schedule", args.schedule or "1f1b"] + (["--breakdown"] if args.breakdown else [])
 
 
 def print_table(args, rows: dict[str, tuple[list[RankResult], str]], load_before: float) -> None:
@@ -472,7 +474,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pairs", type=int, default=0, help="alternate torch-1f1b and lightning-pipe N times")
+    parser.add_argument("--pairs", type=int, default=0, help="rotate torch-1f1b and lightning-pipe N rounds")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b"], help="lightning-pipe families in --pairs")
+    parser.add_argument("--schedule", default="1f1b", help="the lightning-pipe run's family (one run)")
     parser.add_argument("--breakdown", action="store_true", help="where lightning-pipe's step goes (monitor)")
     parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -506,35 +510,48 @@ def main() -> None:
 
 
 def run_pairs(args: argparse.Namespace, load_before: float) -> None:
-    """torch's Schedule1F1B and lightning-pipe alternately, ``--pairs`` times: ratio per pair, median."""
-    ratios, breakdowns, cpu = [], [], {}
+    """torch's Schedule1F1B and lightning-pipe under each of ``--schedules``, in an order that
+    rotates every round, ``--pairs`` rounds: each round's ratio to torch, and the median per schedule."""
+    entries = [None, *args.schedules]  # None: torch's Schedule1F1B
+    ratios: dict[str, list[float]] = {schedule: [] for schedule in args.schedules}
+    breakdowns: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
+    cpu: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as out:
-        for pair in range(args.pairs):
-            order = ["torch-1f1b", "lightning-pipe"] if pair % 2 == 0 else ["lightning-pipe", "torch-1f1b"]
+        for round_ in range(args.pairs):
+            shift = round_ % len(entries)
             throughput = {}
-            Path(out, str(pair)).mkdir()
-            for config in order:
-                results, error = launch(config, args, f"{out}/{pair}")
+            for schedule in entries[shift:] + entries[:shift]:
+                config = "torch-1f1b" if schedule is None else "lightning-pipe"
+                directory = Path(out, f"{round_}-{schedule or 'torch'}")
+                directory.mkdir()
+                results, error = launch(config, argparse.Namespace(**{**vars(args), "schedule": schedule}), str(directory))
                 if error:
-                    raise SystemExit(f"{CONFIGS[config]} failed: {error}")
+                    raise SystemExit(f"{CONFIGS[config]} {schedule or ''} failed: {error}")
                 step_seconds = [max(times) for times in zip(*(r.step_seconds for r in results))]
-                throughput[config] = results[0].tokens_per_step / statistics.median(step_seconds)
-                breakdowns += [r.breakdown for r in results if r.breakdown and r.rank == 0]
+                throughput[schedule] = results[0].tokens_per_step / statistics.median(step_seconds)
+                name = schedule or "torch-1f1b"
+                if schedule is not None:
+                    breakdowns[schedule] += [r.breakdown for r in results if r.breakdown and r.rank == 0]
                 for r in results:
-                    cpu.setdefault((config, r.rank), []).append(statistics.median(r.cpu_seconds))
-            ratios.append(throughput["lightning-pipe"] / throughput["torch-1f1b"])
-            print(f"pair {pair}: torch-1f1b {throughput['torch-1f1b']:,.0f} tokens/s, lightning-pipe "
-                  f"{throughput['lightning-pipe']:,.0f} tokens/s, ratio {ratios[-1]:.3f}", flush=True)
-    print(f"median ratio lightning-pipe / torch Schedule1F1B over {args.pairs} alternating pairs: "
-          f"{statistics.median(ratios):.3f}  (1-minute load before: {load_before:.2f})")
-    print("\nCPU seconds per step (process time of all threads, median of the pairs' medians; it varies")
+                    cpu.setdefault((name, r.rank), []).append(statistics.median(r.cpu_seconds))
+            line = ", ".join(f"{s or 'torch-1f1b'} {throughput[s]:,.0f}" for s in entries)
+            for schedule in args.schedules:
+                ratios[schedule].append(throughput[schedule] / throughput[None])
+            print(f"round {round_}: tokens/s {line}; ratios " + ", ".join(
+                f"{s} {ratios[s][-1]:.3f}" for s in args.schedules), flush=True)
+    for schedule in args.schedules:
+        print(f"median ratio lightning-pipe {schedule} / torch Schedule1F1B over {args.pairs} rotated rounds: "
+              f"{statistics.median(ratios[schedule]):.3f}")
+    print(f"(1-minute load before: {load_before:.2f})")
+    print("\nCPU seconds per step (process time of all threads, median of the rounds' medians; it varies")
     print("less with other load than wall time, so it separates work done from time spent waiting):")
-    for (config, rank), values in sorted(cpu.items()):
-        print(f"  {config:16s} rank {rank}  {statistics.median(values) * 1e3:8.2f} ms")
-    if breakdowns:
-        print("\nlightning-pipe, rank 0, median seconds per step (of the pairs' medians):")
-        for part in breakdowns[0]:
-            print(f"  {part:16s} {statistics.median(b[part] for b in breakdowns) * 1e3:8.2f} ms")
+    for (name, rank), values in sorted(cpu.items()):
+        print(f"  {name:16s} rank {rank}  {statistics.median(values) * 1e3:8.2f} ms")
+    for schedule, found in breakdowns.items():
+        if found:
+            print(f"\nlightning-pipe {schedule}, rank 0, median seconds per step (of the rounds' medians):")
+            for part in found[0]:
+                print(f"  {part:16s} {statistics.median(b[part] for b in found) * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":
