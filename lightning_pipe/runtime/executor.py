@@ -27,7 +27,7 @@ from lightning_pipe.model.loss_counting import LossCounter, LossRecord
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.failures import PeerFailure
-from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PointToPoint
+from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
 from lightning_pipe.runtime.split_backward import WeightPass, backward_input
 from lightning_pipe.schedules.ir import Action, ActionType, Program
 
@@ -53,6 +53,10 @@ class StepWork:
         extra_roots: given (stage, microbatch), more tensors its backward differentiates and their
             gradients (a slice's keys and values with what later slices left them,
             ``model/attention.KeyValueStore``); None: none. Full backward (``B``) only.
+        same_shapes: every microbatch of the step has the same input shapes, so each stage's
+            activations have the shapes of the microbatch before: their receives are posted as soon
+            as that one's arrived (where the transfer layer matches by tag). Every rank of the
+            pipeline must pass the same.
     """
 
     step_name: str
@@ -63,6 +67,7 @@ class StepWork:
     loss_weight: Callable[[int, LossRecord], Any] | None = None
     describe_shapes: bool = False
     extra_roots: Callable[[int, int], tuple[list[Tensor], list[Tensor]]] | None = None
+    same_shapes: bool = False
 
 
 @dataclass
@@ -70,13 +75,15 @@ class ActionRecord:
     """When one action ran on this rank (``time.perf_counter`` seconds).
 
     ``wait`` is the part of ``end - start`` spent blocked in receives (an ``F`` or ``B`` waits for its
-    input there), so ``end - start - wait`` is the time the rank was busy.
+    input there), so ``end - start - wait`` is the time the rank was busy. ``arrival``: when the
+    message from another rank it waited for arrived (None if it did not wait for one).
     """
 
     action: Action
     start: float
     end: float
     wait: float = 0.0
+    arrival: float | None = None
 
 
 @dataclass
@@ -135,6 +142,7 @@ class PipelineExecutor:
         self.pipeline_rank = pipeline_rank
         self.device = device
         self._waited = 0.0
+        self._arrival: float | None = None
 
     def run(self, program: Program, spans: dict[int, StageSpan], work: StepWork) -> StepOutcome:
         """Run this rank's actions of ``program`` for ``work``; ``spans`` maps its stages to blocks."""
@@ -144,12 +152,15 @@ class PipelineExecutor:
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._local_activations: dict[tuple[int, int], list[Tensor]] = {}
         self._local_gradients: dict[tuple[int, int], list[Tensor]] = {}
+        self._prefetched: dict[tuple[int, int], PendingReceive] = {}
+        self._prefetched_activations: dict[tuple[int, int], PendingReceive] = {}
+        self._next_forward = self._next_forwards(program) if self._prefetch_activations(work) else {}
         outcome = StepOutcome()
         self.runner.predict_shapes = work.describe_shapes
         me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
         try:
             for action in program.actions[self.pipeline_rank]:
-                self._waited = 0.0
+                self._waited, self._arrival = 0.0, None
                 start = time.perf_counter()
                 try:
                     self._execute(action, outcome)
@@ -159,7 +170,7 @@ class PipelineExecutor:
                         f"microbatch {action.microbatch} ({action}),"
                     )
                     raise failure.located(where) from failure.cause
-                outcome.records.append(ActionRecord(action, start, time.perf_counter(), self._waited))
+                outcome.records.append(ActionRecord(action, start, time.perf_counter(), self._waited, self._arrival))
             try:
                 self.p2p.wait_sends()
             except PeerFailure as failure:
@@ -169,6 +180,8 @@ class PipelineExecutor:
             self._slots = {}
             self._local_activations = {}
             self._local_gradients = {}
+            self._prefetched = {}
+            self._prefetched_activations = {}
         return outcome
 
     # --- actions ---------------------------------------------------------------------------------
@@ -186,6 +199,7 @@ class PipelineExecutor:
         elif kind is ActionType.SEND_F:
             outputs = self._slot(action).result.outputs
             self.p2p.send(outputs, self._peer(stage + 1), ACTIVATION, stage, mb, describe=self._work.describe_shapes)
+            self._prefetch_gradients(stage, mb, outputs)
         elif kind is ActionType.SEND_B:
             self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1), GRADIENT, stage, mb)
         elif kind in (ActionType.RECV_F, ActionType.RECV_B):
@@ -226,15 +240,61 @@ class PipelineExecutor:
         elif self._program.rank_of(stage + 1) == self.pipeline_rank:
             self._local_activations[(stage + 1, mb)] = result.outputs
 
+    def _prefetch_gradients(self, stage: int, mb: int, outputs: list[Tensor]) -> None:
+        """Post the receive of the gradients of the outputs just sent: their shapes are the outputs',
+        so the transfer can run whenever the next stage sends, while this rank computes, instead of
+        starting when the backward asks for it (gloo moves a message only once its receive is
+        posted). Where receives must be posted in program order (NCCL), they are not posted early."""
+        if not self.p2p.matches_by_tag or self._work.loss_scales is None:
+            return
+        shapes = [(t.shape, t.dtype) for t in outputs if is_float(t)]
+        self._prefetched[(stage, mb)] = self.p2p.post_receive(shapes, self._peer(stage + 1), GRADIENT, stage + 1, mb, self.device)
+
+    def _prefetch_activations(self, work: StepWork) -> bool:
+        """Whether activations are received early: when the microbatches of the step share their
+        shapes and no header precedes activations, the next microbatch's activations have the
+        shapes this one's had, so their receive is posted as soon as this one's arrived."""
+        return work.same_shapes and not work.describe_shapes and not self.p2p.send_dtypes and self.p2p.matches_by_tag
+
+    def _next_forwards(self, program: Program) -> dict[tuple[int, int], int]:
+        """``(stage, microbatch) -> the microbatch of the stage's next forward`` on this rank, for
+        stages whose input comes from another rank."""
+        following, last = {}, {}
+        for action in program.actions[self.pipeline_rank]:
+            stage = action.stage
+            if action.type is not ActionType.FORWARD or stage == 0 or program.rank_of(stage - 1) == self.pipeline_rank:
+                continue
+            if stage in last:
+                following[(stage, last[stage])] = action.microbatch
+            last[stage] = action.microbatch
+        return following
+
     def _receive(self, stage: int, mb: int, metas: list[Tensor]) -> list[Tensor]:
         local = self._local_activations.pop((stage, mb), None)
         if local is None:
             shapes = [(m.shape, m.dtype) for m in metas]
             started = time.perf_counter()
-            local = self.p2p.receive(
-                shapes, self._peer(stage - 1), ACTIVATION, stage - 1, mb, self.device, describe=self._work.describe_shapes
-            )
+            pending = self._prefetched_activations.pop((stage, mb), None)
+            if pending is not None:
+                posted = [(b.shape, b.dtype) for b in pending.buffers]
+                if posted != shapes:
+                    raise RuntimeError(
+                        f"Stage {stage} microbatch {mb}: its activations were expected in the shapes of the microbatch "
+                        f"before ({posted}), but this one needs {shapes}. Microbatches of one step share their shapes "
+                        "unless lengths vary; a block whose output shape depends on values cannot cross a stage boundary."
+                    )
+                local = pending.wait()
+            else:
+                local = self.p2p.receive(
+                    shapes, self._peer(stage - 1), ACTIVATION, stage - 1, mb, self.device, describe=self._work.describe_shapes
+                )
             self._waited += time.perf_counter() - started
+            self._arrival = self.p2p.last_arrival
+            following = self._next_forward.get((stage, mb))
+            if following is not None:
+                self._prefetched_activations[(stage, following)] = self.p2p.post_receive(
+                    [(t.shape, t.dtype) for t in local], self._peer(stage - 1), ACTIVATION, stage - 1, following, self.device
+                )
         received = []
         for meta, tensor in zip(metas, local, strict=True):
             if tensor.shape != meta.shape and self._work.describe_shapes:
@@ -263,8 +323,13 @@ class PipelineExecutor:
             if grads is None:
                 shapes = [(t.shape, t.dtype) for t in floats]
                 started = time.perf_counter()
-                grads = self.p2p.receive(shapes, self._peer(stage + 1), GRADIENT, stage + 1, mb, self.device)
+                pending = self._prefetched.pop((stage, mb), None)
+                if pending is not None:
+                    grads = pending.wait()
+                else:
+                    grads = self.p2p.receive(shapes, self._peer(stage + 1), GRADIENT, stage + 1, mb, self.device)
                 self._waited += time.perf_counter() - started
+                self._arrival = self.p2p.last_arrival
             slot.output_grads = list(grads)
         pairs = [(t, g) for t, g in zip(floats, slot.output_grads, strict=True) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]

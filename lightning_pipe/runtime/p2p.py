@@ -16,6 +16,8 @@ predicted (predictions of new shapes are learned, not probed: ``model/shape_rule
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -72,6 +74,8 @@ class PointToPoint:
     send_dtypes: bool = False
     host_staging: bool = False
     timeout: timedelta | None = None
+    last_arrival: float | None = None
+    _by_tag: bool | None = field(default=None, repr=False)
     _pending_peers: list[tuple[int, int, int, int]] = field(default_factory=list, repr=False)
 
     def send(self, tensors: list[Tensor], dst: int, kind: int, stage: int, microbatch: int, describe: bool = False) -> None:
@@ -127,22 +131,46 @@ class PointToPoint:
 
         ``stage`` is the *sending* stage, as in :meth:`send`. With ``send_dtypes``, the dtypes of
         activations are the sender's, whatever ``shapes`` says; with ``describe``, their shapes too.
+        Sets :attr:`last_arrival` to the ``time.perf_counter()`` at which the message completed if
+        this call had to wait for it, else None (it was there already).
         """
+        started = time.perf_counter()
         wire = torch.device("cpu") if self.host_staging else device
         if (self.send_dtypes or describe) and kind == ACTIVATION and shapes:
             header = torch.empty(_header_size(len(shapes), describe), dtype=torch.int64, device=wire)
             peer = (src, HEADER, stage, microbatch)
             self._wait(self._irecv(header, src, message_tag(HEADER, stage, microbatch, 0), peer), peer, receiving=True)
             shapes = _read_header(header.tolist(), shapes, describe)
+        return self.post_receive(shapes, src, kind, stage, microbatch, device).wait(started)
+
+    @property
+    def matches_by_tag(self) -> bool:
+        """Whether receives may be posted in any order: gloo matches messages by tag; NCCL matches
+        them in the order they are posted, which must then be the program's."""
+        if self._by_tag is None:
+            self._by_tag = dist.get_backend(self.group) == "gloo"
+        return self._by_tag
+
+    def post_receive(
+        self,
+        shapes: list[tuple[torch.Size, torch.dtype]],
+        src: int,
+        kind: int,
+        stage: int,
+        microbatch: int,
+        device: torch.device,
+    ) -> PendingReceive:
+        """Post receives of tensors of exactly ``shapes`` (no header) and return at once; the transfer
+        runs while this rank computes, and :meth:`PendingReceive.wait` collects it. Posting early
+        only where :attr:`matches_by_tag` holds."""
+        wire = torch.device("cpu") if self.host_staging else device
         buffers = [torch.empty(shape, dtype=dtype, device=wire) for shape, dtype in shapes]
         peer = (src, kind, stage, microbatch)
         works = [
             self._irecv(buffer, src, message_tag(kind, stage, microbatch, leaf), peer)
             for leaf, buffer in enumerate(buffers)
         ]
-        for work in works:
-            self._wait(work, peer, receiving=True)
-        return [buffer.to(device) for buffer in buffers] if self.host_staging else buffers
+        return PendingReceive(self, buffers, works, peer, device)
 
     def _irecv(self, buffer: Tensor, src: int, tag: int, peer: tuple[int, int, int, int]) -> dist.Work:
         try:
@@ -158,6 +186,34 @@ class PointToPoint:
         finally:
             self.pending.clear()
             self._pending_peers.clear()
+
+
+@dataclass
+class PendingReceive:
+    """Receives posted by :meth:`PointToPoint.post_receive`, not yet waited for."""
+
+    p2p: PointToPoint
+    buffers: list[Tensor]
+    works: list[dist.Work]
+    peer: tuple[int, int, int, int]
+    device: torch.device
+
+    def wait(self, started: float | None = None) -> list[Tensor]:
+        """Block until the tensors arrived and return them on ``device``; sets the transfer layer's
+        ``last_arrival`` (``started``: when the caller began waiting, header included)."""
+        started = time.perf_counter() if started is None else started
+        self.p2p.last_arrival = None
+        for work in self.works:
+            self.p2p._wait(work, self.peer, receiving=True)
+        finished = time.perf_counter()
+        if finished - started > _ALREADY_THERE_S:
+            self.p2p.last_arrival = finished
+        return [buffer.to(self.device) for buffer in self.buffers] if self.p2p.host_staging else self.buffers
+
+
+# A receive whose message is already there returns within this (tens of microseconds). gloo's
+# `Work.is_completed()` cannot tell: it turns True only inside `wait()`.
+_ALREADY_THERE_S = 2e-4
 
 
 def _header_size(leaves: int, describe: bool) -> int:

@@ -36,12 +36,16 @@ class TimedAction:
         action: the action.
         start: seconds since the step started.
         end: seconds since the step started (``end - start`` includes a receive's wait).
+        arrival: real steps only: when the message from another rank that the action consumes
+            arrived, if the action had to wait for it (None when it was already there, and in
+            simulations, where an action starts when its message arrives).
     """
 
     rank: int
     action: Action
     start: float
     end: float
+    arrival: float | None = None
 
     @property
     def duration(self) -> float:

@@ -939,6 +939,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if store is not None:
             work.extra_roots = self._slice_roots(plan, store)
         work.describe_shapes = self._lengths_vary(plan, microbatches)
+        work.same_shapes = not work.describe_shapes  # lengths have not varied: every microbatch alike
         if self.metric_states and self._runs_last_stage():
             self.metric_states.begin()
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
