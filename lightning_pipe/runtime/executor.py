@@ -1,11 +1,17 @@
 """Execute one rank's program of actions for one step.
 
 ``F`` runs the user's step as a stage (:class:`~lightning_pipe.model.StageRunner`), ``B``/``I``/``W``
-run autograd from the stage outputs, ``SEND_*`` post transfers. A receive happens where its tensor
-is consumed (``F`` for activations, ``B``/``I`` for gradients): an activation's shape is only known
-when the stage reaches its first block on the meta device, and this keeps microbatches free to
-have any shape without a shape exchange. The program's ``RECV_*`` actions therefore only assert
+run autograd from the stage outputs, ``SEND_*`` post transfers. A receive completes where its
+tensor is consumed (``F`` for activations, ``B``/``I`` for gradients): an activation's shape is only
+known when the stage reaches its first block on the meta device, and this keeps microbatches free
+to have any shape without a shape exchange. The program's ``RECV_*`` actions therefore only assert
 order; validated programs place them right before their consumer.
+
+Where shapes are known earlier, the receive is *posted* earlier (on gloo, which matches messages by
+tag; gloo moves a message only once its receive is posted, so a late post puts the whole transfer on
+the critical path): a stage's gradients right after it sent the activations they belong to, and,
+when the step's microbatches share their shapes (``StepWork.same_shapes``), the next microbatch's
+activations as soon as this one's arrived.
 
 Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes only the input
 gradients and records the gradients at the nodes where each parameter's subgraph meets the input

@@ -1,7 +1,8 @@
 """Point-to-point transfer of activations and gradients between pipeline ranks.
 
 Sends are posted asynchronously and waited for at the end of the step; receives block where the
-tensor is needed. Every message carries a tag derived from (kind, stage, microbatch, leaf), so gloo
+tensor is needed, or are posted earlier (:meth:`PointToPoint.post_receive`) where the executor
+knows the shapes before it needs the tensors. Every message carries a tag derived from (kind, stage, microbatch, leaf), so gloo
 matches messages by tag; NCCL ignores tags and matches in order, which holds because both sides
 derive their order from the same validated program.
 

@@ -119,3 +119,26 @@ def test_message_latency_is_read_back_from_a_step(schedule):
     assert measured_latency(step.events) == pytest.approx(0.25)
     assert simulate_measured(step.events, program).makespan == pytest.approx(step.makespan)
     assert measured_latency([]) == 0.0
+
+
+def test_message_latency_of_a_real_step_comes_from_arrivals():
+    """A real forward starts before its receive (it runs the code before its first block); the latency
+    is read from when its message arrived, not from its start."""
+    import dataclasses
+
+    from lightning_pipe.callbacks.monitor import measured_latency
+    from lightning_pipe.schedules.ir import ActionType
+
+    program = resolve_schedule("1f1b").build(2, 4)
+    step = simulate(program, ActionCosts.uniform(2, 4, latency=0.25))
+    consumers = (ActionType.FORWARD, ActionType.BACKWARD)
+    real = [
+        dataclasses.replace(e, start=e.start - 0.1, arrival=e.start)
+        if e.action.type in consumers and not (e.action.type is ActionType.FORWARD and e.action.stage == 0)
+        and not (e.action.type is ActionType.BACKWARD and e.action.stage == 1)
+        else e
+        for e in step.events
+    ]
+    assert measured_latency(real) == pytest.approx(0.25)
+    without_arrivals = [dataclasses.replace(e, arrival=None) for e in real]
+    assert measured_latency(without_arrivals) == pytest.approx(0.15)  # the bound from starts alone

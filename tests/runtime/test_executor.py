@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -20,9 +21,27 @@ LENGTHS = [3, 11, 6, 8]  # one sequence length per microbatch
 BOUNDARIES = (0, 1, 4)  # 2 stages: block 0 | blocks 1-3
 
 
-def _microbatches() -> list[torch.Tensor]:
+def _microbatches(lengths: list[int] = LENGTHS) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 32, (2, t + 1), generator=generator) for t in LENGTHS]
+    return [torch.randint(0, 32, (2, t + 1), generator=generator) for t in lengths]
+
+
+class _CountingPointToPoint(PointToPoint):
+    """Counts receives posted before their consumer asked (:meth:`PointToPoint.post_receive` alone)."""
+
+    early = 0
+    asked = False
+
+    def receive(self, *args, **kwargs):
+        self.asked = True
+        try:
+            return super().receive(*args, **kwargs)
+        finally:
+            self.asked = False
+
+    def post_receive(self, *args, **kwargs):
+        self.early += not self.asked
+        return super().post_receive(*args, **kwargs)
 
 
 def _model() -> TinyGPT:
@@ -30,7 +49,7 @@ def _model() -> TinyGPT:
     return TinyGPT(layers=4).double()
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str, lengths: list[int] = LENGTHS) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -41,22 +60,27 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str) 
         stages = program.stages_of(rank)
         shard_module(model, analyze_units(model, stack), owned_units(BOUNDARIES, stages), torch.device("cpu"))
         spans = {s: StageSpan(s, BOUNDARIES[s], BOUNDARIES[s + 1], stack.num_blocks) for s in stages}
-        executor = PipelineExecutor(StageRunner(model, stack), PointToPoint(), list(range(world)), rank, torch.device("cpu"))
-        work = StepWork("training_step", [(mb, 0) for mb in _microbatches()], [1.0] * len(LENGTHS))
+        p2p = _CountingPointToPoint()
+        executor = PipelineExecutor(StageRunner(model, stack), p2p, list(range(world)), rank, torch.device("cpu"))
+        same = len(set(lengths)) == 1
+        work = StepWork("training_step", [(mb, 0) for mb in _microbatches(lengths)], [1.0] * len(lengths), same_shapes=same)
         outcome = executor.run(program, spans, work)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        torch.save({"grads": grads, "losses": outcome.losses}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"grads": grads, "losses": outcome.losses, "early": p2p.early}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_variable_length_microbatches_match_single_process(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "1f1b"), nprocs=2, join=True)
+@pytest.mark.parametrize("lengths", [LENGTHS, [7] * 4], ids=["own-lengths", "same-shapes-received-early"])
+def test_variable_length_microbatches_match_single_process(tmp_path, lengths):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "1f1b", lengths), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # the first stage receives every gradient early; the second every activation but the first
+    assert [parts[0]["early"], parts[1]["early"]] == ([4, 3] if len(set(lengths)) == 1 else [4, 0])
 
     reference = _model()
     reference.log = lambda *args, **kwargs: None
-    losses = [reference.training_step(mb, 0) for mb in _microbatches()]
+    losses = [reference.training_step(mb, 0) for mb in _microbatches(lengths)]
     torch.stack(losses).sum().backward()
 
     got = parts[0]["grads"] | parts[1]["grads"]
@@ -64,5 +88,5 @@ def test_variable_length_microbatches_match_single_process(tmp_path):
     assert got.keys() == expected.keys()
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, atol=1e-12, rtol=0)
-    assert sorted(parts[1]["losses"]) == list(range(len(LENGTHS)))
+    assert sorted(parts[1]["losses"]) == list(range(len(lengths)))
     torch.testing.assert_close(torch.stack([parts[1]["losses"][i] for i in range(4)]), torch.stack(losses).detach())
