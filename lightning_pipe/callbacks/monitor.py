@@ -11,10 +11,13 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
   to the measured one is what the schedule and a constant latency do not explain (variable waits,
   framework time between actions),
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
-* ``pipeline/time/{compute,wait,send,between_actions,outside_program}_s``: where the first rank's
-  step went (they sum to ``step_s``): its compute actions, blocked in receives, posting sends,
-  between actions (the executor's own work), and outside the program (batch split, loss and log
-  broadcast, gradient synchronisation, optimizer step, Lightning's hooks),
+* ``pipeline/time/{part}_s``: where the first rank's step went (they sum to ``step_s``): its
+  ``compute`` actions, blocked in receives (``wait``), posting sends (``send``),
+  ``between_actions`` (the executor's own work), and outside the program the strategy's measured
+  parts (``runtime.StepClock``): ``plan`` (merging proposals, applying the plan), ``prepare``
+  (splitting the batch, the step's checks), ``share_outcome`` (the loss and log broadcast, their
+  replay, gradient normalization), ``gradient_sync``, ``optimizer``, and ``outside_program``, the
+  rest (Lightning's loop and hooks, callbacks),
 * ``pipeline/rank{r}_peak_memory_bytes``: peak memory per rank (CUDA allocator peak, or the process's
   resident-set peak on CPU),
 * ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``,
@@ -203,11 +206,16 @@ def simulate_measured(events: list[TimedAction], program: Any):
     return simulate(program, dataclasses.replace(measured_costs(events, program), latency=measured_latency(events)))
 
 
-def step_breakdown(records: list, step_s: float) -> dict[str, float]:
+def step_breakdown(records: list, step_s: float, parts: dict[str, float] | None = None) -> dict[str, float]:
     """Where one rank's step went, from its action records: compute, receive waits, sends, the
-    executor's time between actions, and everything outside the program (sums to ``step_s``)."""
+    executor's time between actions, and everything outside the program (sums to ``step_s``).
+
+    ``parts``: the strategy's measured parts outside the program (``StepClock``); each becomes its
+    own entry, and ``outside_program`` keeps the rest (Lightning's loop and hooks, callbacks).
+    """
+    parts = {name: max(0.0, seconds) for name, seconds in (parts or {}).items()}
     if not records:
-        return {"outside_program": step_s}
+        return {**parts, "outside_program": max(0.0, step_s - sum(parts.values()))}
     compute = sum(r.end - r.start - r.wait for r in records if r.action.type in _COMPUTE)
     wait = sum(r.wait for r in records)
     send = sum(r.end - r.start for r in records if r.action.type in _SENDS)
@@ -217,7 +225,8 @@ def step_breakdown(records: list, step_s: float) -> dict[str, float]:
         "wait": wait,
         "send": send,
         "between_actions": max(0.0, span - compute - wait - send),
-        "outside_program": max(0.0, step_s - span),
+        **parts,
+        "outside_program": max(0.0, step_s - span - sum(parts.values())),
     }
 
 
@@ -327,7 +336,7 @@ class PipelineMonitor(L.Callback):
         if trainer.global_rank != 0 or reports is None:
             return
         summary = self._summarize(strategy, reports, step, step_s, _tokens(batch) * strategy.layout.data_parallel_size)
-        summary.time_s = step_breakdown(outcome.records if outcome else [], step_s)
+        summary.time_s = step_breakdown(outcome.records if outcome else [], step_s, dict(strategy.step_clock.parts))
         self.history.append(summary)
         metrics = {
             "pipeline/tokens_per_s": summary.tokens_per_s,

@@ -1,6 +1,7 @@
 """Executing programs on one rank: stages, point-to-point transfers, collectives."""
 
 from lightning_pipe.runtime.executor import ActionRecord, PipelineExecutor, StepOutcome, StepWork
+from lightning_pipe.runtime.step_clock import StepClock
 from lightning_pipe.runtime.failures import CollectiveFailure, PeerFailure
 from lightning_pipe.runtime.groups import ProcessGroups, RankLayout, create_process_groups
 from lightning_pipe.runtime.loss_weights import LossWeights
@@ -25,6 +26,7 @@ __all__ = [
     "RankLayout",
     "SplitBatch",
     "StepOutcome",
+    "StepClock",
     "StepWork",
     "create_process_groups",
     "plan_microbatches",

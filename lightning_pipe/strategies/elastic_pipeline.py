@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +67,7 @@ from lightning_pipe.runtime.microbatch import (
 )
 from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
 from lightning_pipe.runtime.side_runs import quiet_forward
+from lightning_pipe.runtime.step_clock import StepClock
 from lightning_pipe.runtime.packing import (
     REFUSAL,
     Packer,
@@ -253,6 +255,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._shared: list[tuple[Tensor | None, tuple[int, ...]]] = []
         self._sample_mixing = False
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
+        self.step_clock = StepClock()  # the step's parts outside the program (for the monitor)
         self.last_migration: MigrationReport | None = None
         self.memory = StrategyMemory(  # see strategies/memory.py
             memory_budget, recompute, offload, mlp_chunk_size, optimizer_offload=optimizer_offload
@@ -606,8 +609,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """After every callback's ``on_train_batch_start``: merge the proposals, apply one plan."""
+        self.step_clock.reset()
         proposals, self._proposals = self._proposals, []
-        self.last_application = apply_proposals(self, proposals, batch_idx)
+        with self.step_clock.measure("plan"):
+            self.last_application = apply_proposals(self, proposals, batch_idx)
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
         """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.
@@ -891,6 +896,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             rank_zero_warn(f"{what} (`allow_sample_mixing=True`).")
 
     def _run(self, step_name: str, args: tuple, train: bool) -> Any:
+        run_started = time.perf_counter()
         batch, rest = args[0], args[1:]
         split = self.split_batch(batch, train=train)
         if step_name not in self._observed:
@@ -943,9 +949,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if self.metric_states and self._runs_last_stage():
             self.metric_states.begin()
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
+            program_started = time.perf_counter()
             outcome = self.executor.run(program, self.spans, work)
+            self.step_clock.add("prepare", program_started - run_started)
         self.last_outcome = outcome
-        return self._share_outcome(outcome, plan, weights, train, deferred)
+        with self.step_clock.measure("share_outcome"):
+            return self._share_outcome(outcome, plan, weights, train, deferred)
 
     def _lengths_vary(self, plan: MicrobatchPlan, microbatches: list[Any]) -> bool:
         """Whether activations travel with their shapes: from the first step whose microbatches are
@@ -1113,14 +1122,18 @@ class ElasticPipelineStrategy(ParallelStrategy):
                     "pipelined forward and backward once per optimizer step and does not support optimizers that "
                     "re-evaluate the loss. Use a first-order optimizer (SGD, Adam, ...)."
                 )
+            closure_started = time.perf_counter()
             result = closure()
-            self._synchronize_gradients(optimizer)
+            with self.step_clock.measure("gradient_sync"):
+                self._synchronize_gradients(optimizer)
+            self.step_clock.add("optimizer", closure_started - time.perf_counter())  # the closure is not the optimizer's
             return result
 
-        if self.memory.grad_scaler is not None:
-            model = model or self.lightning_module
-            return Precision.optimizer_step(self.precision_plugin, optimizer, model, closure_then_synchronize, **kwargs)
-        return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+        with self.step_clock.measure("optimizer"):
+            if self.memory.grad_scaler is not None:
+                model = model or self.lightning_module
+                return Precision.optimizer_step(self.precision_plugin, optimizer, model, closure_then_synchronize, **kwargs)
+            return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
 
     def _owned_parameters(self, optimizer: Optimizer) -> list[Tensor]:
         if isinstance(optimizer, LightningOptimizer):

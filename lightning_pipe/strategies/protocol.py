@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lightning_pipe.planning.proposals import PlanProposal
     from lightning_pipe.runtime.groups import RankLayout
     from lightning_pipe.runtime.migration import MigrationReport
+    from lightning_pipe.runtime.step_clock import StepClock
     from lightning_pipe.schedules import Program, Schedule
     from lightning_pipe.strategies.costs import StrategyCosts
     from lightning_pipe.strategies.memory import StrategyMemory
@@ -35,6 +36,8 @@ class PipelineStrategy(Protocol):
         memory: memory plans, budget and probes.
         last_migration: what the latest plan change moved (None before any).
         last_outcome: the latest step's measured outcome on this rank (None before any).
+        step_clock: the current step's parts outside the program (planning, preparing the
+            microbatches, sharing the loss and logs, gradient synchronization, the optimizer).
         root_device: this rank's device.
     """
 
@@ -45,6 +48,7 @@ class PipelineStrategy(Protocol):
     memory: StrategyMemory
     last_migration: MigrationReport | None
     last_outcome: Any
+    step_clock: StepClock
 
     @property
     def root_device(self) -> torch.device:

@@ -38,11 +38,14 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
     # the schedule's own idle time, from this step's compute (the ranks' clocks are aligned only to
     # within a few ms, so the measured step is not compared action by action here)
     assert len(simulated) == 4 and all(0.0 < s < 1.0 for s in simulated)
-    parts = {p: logged(tmp_path, f"pipeline/time/{p}_s") for p in ("compute", "wait", "send", "between_actions", "outside_program")}
+    names = ("compute", "wait", "send", "between_actions", "plan", "prepare", "share_outcome", "gradient_sync", "optimizer",
+             "outside_program")
+    parts = {p: logged(tmp_path, f"pipeline/time/{p}_s") for p in names}
     step_s = logged(tmp_path, "pipeline/step_s")
     for k in range(4):  # the parts of the first rank's step add up to the step
         assert sum(values[k] for values in parts.values()) == pytest.approx(step_s[k], rel=1e-6)
     assert all(c > 0 for c in parts["compute"]) and all(o > 0 for o in parts["outside_program"])
+    assert all(t > 0 for p in ("prepare", "share_outcome", "optimizer") for t in parts[p])
     assert all(t > 0 for t in logged(tmp_path, "pipeline/stage0_compute_s") + logged(tmp_path, "pipeline/stage1_compute_s"))
     assert all(t > 0 for t in logged(tmp_path, "pipeline/tokens_per_s"))
     assert logged(tmp_path, "pipeline/rank1_peak_memory_bytes")[0] > 0

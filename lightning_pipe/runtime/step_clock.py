@@ -1,0 +1,44 @@
+"""Where a step's time goes outside the program of actions: named parts, summed per step.
+
+The executor's records say what the program did (compute, waits, sends); a step also splits the
+batch and plans it, shares the loss and logs, synchronizes gradients and steps the optimizer. The
+strategy measures those parts here, and the monitor reports them beside the program's, so a step's
+framework overhead is measured, not guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["StepClock"]
+
+
+@dataclass
+class StepClock:
+    """Wall seconds of named parts of the current step (``perf_counter``), reset before each step.
+
+    Attributes:
+        parts: seconds per part name since the last :meth:`reset`.
+    """
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self.parts = {}
+
+    @contextlib.contextmanager
+    def measure(self, part: str) -> Iterator[None]:
+        """Add the time of the body to ``part``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - started
+
+    def add(self, part: str, seconds: float) -> None:
+        """Add ``seconds`` to ``part`` (negative to take back a nested part's time)."""
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
