@@ -18,6 +18,8 @@ key-padding mask, token-averaged cross-entropy), the same in every row. Rows:
   lp               lightning-pipe 1F1B, defaults: each microbatch cut to its own real tokens, samples
                    grouped by length (checked exact on the first batch).
   lp-repartition   ``lp`` plus the ``ElasticRepartition`` callback.
+  lp-auto          ``lp`` plus the ``AutoPlanner`` callback: partition, family, microbatching and
+                   memory plan chosen jointly per batch (the family starts as 1F1B).
 
 Every pipeline row uses 2 processes (gloo, 1 thread each), 2 stages of 3 blocks, ``--microbatches``
 microbatches and AdamW; the same seed, batches and number of steps. The rows run one after
@@ -66,6 +68,7 @@ CONFIGS = {
     "lp-padded": "lightning-pipe 1F1B, trim_padding=False",
     "lp": "lightning-pipe 1F1B (defaults)",
     "lp-repartition": "lightning-pipe 1F1B + ElasticRepartition",
+    "lp-auto": "lightning-pipe + AutoPlanner (joint plan)",
 }
 VOCAB = 256
 
@@ -285,7 +288,7 @@ def run_ddp_rank(rank: int, args: argparse.Namespace, store: str, out: str, conf
 
 def run_lightning_pipe(args: argparse.Namespace, out: str, config: str) -> None:
     from lightning_pipe import ElasticPipelineStrategy
-    from lightning_pipe.callbacks import ElasticRepartition
+    from lightning_pipe.callbacks import AutoPlanner, ElasticRepartition
 
     torch.set_num_threads(1)
     batches = make_batches(args)
@@ -293,7 +296,8 @@ def run_lightning_pipe(args: argparse.Namespace, out: str, config: str) -> None:
     def save(trainer, seconds: list[float]) -> None:
         write(out, config, trainer.global_rank, seconds, batches, args)
 
-    callbacks = [StepTimer(args.warmup, save)] + ([ElasticRepartition()] if config == "lp-repartition" else [])
+    planners = {"lp-repartition": [ElasticRepartition()], "lp-auto": [AutoPlanner()]}
+    callbacks = [StepTimer(args.warmup, save), *planners.get(config, [])]
     strategy = ElasticPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=args.microbatches, schedule="1f1b", trim_padding=config != "lp-padded"
     )
