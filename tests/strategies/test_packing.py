@@ -254,3 +254,75 @@ def test_validation_logs_the_token_mean_of_one_device(packing):
     )
     single = L.Trainer(devices=1, **options).validate(model, DataLoader(BatchDataset(batches), batch_size=None), verbose=False)
     assert pipelined[0]["val_loss"] == pytest.approx(single[0]["val_loss"], abs=1e-10, rel=0)
+
+
+# --- adaptive checkpointing per (stage, chunk) ----------------------------------------------------
+
+
+class _HalfwayBudget(L.Callback):
+    """On the first batch (before ``MemoryPlanner``): probe, and set the budget halfway between the
+    predicted peaks of the batch's chunks with full recompute and with none, so that it binds. Every
+    rank computes the same (the probe's records are shared across the pipeline). Records per step the
+    plan, the accounted peak and the no-recompute peak of that batch's chunks."""
+
+    def __init__(self, planner, directory) -> None:
+        self.planner, self.directory = planner, directory
+
+    def _peak(self, trainer, batch, plan):
+        from lightning_pipe.planning.memory_model import predict_memory
+
+        memory = trainer.strategy.memory
+        shapes = memory.microbatch_shapes(batch)
+        program = memory._program_for_split(batch, None, len(shapes))
+        args = (program, trainer.strategy.boundaries, shapes, plan, memory.profile)
+        return max(predict_memory(*args, chunks=memory.chunk_memory(batch)).peak_bytes)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_pipe.planning.memory_model import MemoryPlan
+
+        memory = trainer.strategy.memory
+        if memory.profile is None:
+            memory.measure_profile(batch, (batch_idx,))
+            none, full = self._peak(trainer, batch, MemoryPlan()), self._peak(trainer, batch, MemoryPlan.from_options("full"))
+            self.planner.budget = (full + 0.5 * (none - full)) / (1 - memory.planning_margin)
+            memory.set_budget(self.planner.budget)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import json
+
+        from lightning_pipe.planning.memory_model import MemoryPlan
+
+        memory, rank = trainer.strategy.memory, trainer.strategy.layout.pipeline_rank
+        row = {
+            "plan": memory.plan.to_dict()["microbatches"], "chunks": trainer.strategy.split_batch(batch).plan.num_microbatches,
+            "accounted": memory.last_step.static_bytes + memory.last_step.peak_saved_bytes,
+            "none_peak": self._peak(trainer, batch, MemoryPlan()), "budget": self.planner.budget,
+        }
+        with open(self.directory / f"rank{rank}.txt", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def test_memory_planner_plans_each_chunk_under_a_binding_budget(tmp_path):
+    """InfiniPipe's adaptive checkpointing: per (stage, chunk) recompute/offload from each chunk's own
+    length and its slice's stored keys and values, planned for every batch's chunks (sliced 1F1B),
+    under a budget below the no-recompute peak; parameters equal one device."""
+    import json
+
+    from lightning_pipe.callbacks import MemoryPlanner
+    from tests.helpers.loop import rank_files
+
+    planner = MemoryPlanner(budget="1GiB")  # replaced on the first batch by the halfway budget
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    _parity(_gpt, batches, _chunks(), callbacks=[_HalfwayBudget(planner, tmp_path), planner])
+    records = {rank: [json.loads(line) for line in text.splitlines()] for rank, text in rank_files(tmp_path).items()}
+    for rows in records.values():
+        assert len(rows) == STEPS
+        for row in rows:
+            assert row["accounted"] <= row["budget"]
+        binding = [row for row in rows if row["none_peak"] > row["budget"]]
+        assert binding  # at least one batch needs the plan
+        for row in binding:
+            planned = {key for key, choice in row["plan"].items() if choice["full"] or choice["keep_attention"] or choice["offload"]}
+            chunks = {f"{stage},{mb}" for stage in (0, 1) for mb in range(row["chunks"])}
+            assert planned and planned != chunks  # some (stage, chunk) pairs recompute, others keep everything
+    assert len({json.dumps(row["plan"], sort_keys=True) for row in records[0]}) > 1  # a plan per batch
