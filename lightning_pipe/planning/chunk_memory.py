@@ -13,9 +13,12 @@ on CPU, ``tests/planning/test_chunk_memory.py`` pins the formulas):
   the row's own, a new tensor of ``context + rows`` tokens of keys and values, saved for backward;
 * **the key/value store**: a slice's own keys and values stay in the step's
   :class:`~lightning_pipe.model.attention.KeyValueStore` from its forward to its backward, because
-  later slices attend to them and return gradients into them. They are views of the block's
-  projection output, so the whole projection's storage (queries, keys and values of the row: at
-  most ``3 * hidden`` per token for fused projections) stays alive, whatever the memory plan does.
+  later slices attend to them and return gradients into them (InfiniPipe's Eq. 5: the context's
+  K/V and the dK/dV buffers). They are views of the block's projection output, so the whole
+  projection's storage (queries, keys and values of the row: ``3 * hidden`` per token for a fused
+  projection) stays alive, whatever the memory plan does, and later slices' backwards add the
+  gradients of the slice's keys and values (``2 * hidden`` per token of the slice). Counted for the
+  whole life of the slice (the gradients exist only from the first later backward on: an upper bound).
 
 The first two are *attention bytes*: a block recomputed in full or offloaded does not keep them
 (they are made again in the recomputation), one that keeps attention (``keep_attention``) does. The
@@ -89,6 +92,7 @@ def chunk_memory(
     element_bytes: int,
     *,
     masked: bool = True,
+    masked_slices: bool = True,
     key_value_width: int | None = None,
     stored_width: int | None = None,
 ) -> ChunkMemory:
@@ -101,7 +105,10 @@ def chunk_memory(
         hidden: the blocks' width (features per position).
         element_bytes: bytes per element of the activations (8 for float64, 2 for bfloat16).
         masked: whether packed rows run masked SDPA (CPU; False when a varlen kernel runs them: no
-            mask). Slices always run masked SDPA.
+            mask).
+        masked_slices: whether slices run masked SDPA (this project's
+            :class:`~lightning_pipe.model.attention.SlicedAttention` does, on every device; False
+            models a kernel that takes the context's keys and values without a mask, as InfiniPipe's).
         key_value_width: features per token of keys plus values (default ``2 * hidden``; smaller
             with grouped-query attention).
         stored_width: features per token of the storage a slice's keys and values keep alive
@@ -119,10 +126,10 @@ def chunk_memory(
         sliced = length != sequence_lengths[sequence]
         context = start if sliced else 0
         extra = 0.0
-        if sliced or (masked and len(group) > 1):
+        if (sliced and masked_slices) or (not sliced and masked and len(group) > 1):
             extra += element_bytes * rows * (context + rows)  # the mask
         if sliced:
             extra += element_bytes * kv * (context + rows)  # earlier slices' keys and values, with the row's own
         attention.append(float(extra))
-        kept.append(float(element_bytes * stored * rows) if sliced else 0.0)
+        kept.append(float(element_bytes * (stored * rows + kv * length)) if sliced else 0.0)
     return ChunkMemory(tuple(attention), tuple(kept))
