@@ -123,7 +123,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             runs out). None: no budget. See docs/memory.md.
         recompute: ``"none"``, ``"full"``, ``"keep_attention"`` (recompute all but attention), an
             integer ``k`` (full recomputation of every ``k``-th block), a ``StageMemory`` or
-            ``MemoryPlan``, or ``"auto"``: the fastest plan under ``memory_budget`` for the first batch.
+            ``MemoryPlan``, or ``"auto"``: the fastest plan under ``memory_budget`` for the first batch
+            (with ``packing``: for every batch, per (stage, chunk)).
         offload: True (saved activations of every block not recomputed go to host memory until
             backward), False, or a number of blocks per stage.
         mlp_chunk_size: run position-wise MLP submodules (named ``mlp``, ``ffn``, ``feed_forward``) in
@@ -213,6 +214,14 @@ class ElasticPipelineStrategy(ParallelStrategy):
             raise ValueError(
                 "`packing` puts several sequences in one microbatch row, so `loss_weights='samples'` cannot weight "
                 "them: use `loss_weights='auto'` (counted tokens) or turn `packing` off."
+            )
+        if self.packer is not None and optimizer_offload and loss_weights == "auto":
+            target = "shift_labels" if self.packer.slicing else "labels"
+            raise ValueError(
+                "`packing` with `optimizer_offload=True`: the stage optimizers step during backward, before the packed "
+                "microbatches' counted targets are known, so `loss_weights='auto'` cannot weight them. Pass "
+                f"`loss_weights=lambda mb: (mb['{target}'] != -100).sum()` (the targets each packed row counts), "
+                "or turn `optimizer_offload` off."
             )
         self._packing_checked = False  # a microbatch packing two sequences was checked
         self._slicing_checked = False  # a sliced sequence was checked

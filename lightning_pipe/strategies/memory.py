@@ -71,7 +71,7 @@ class StrategyMemory:
         memory_budget: bytes per device (or a size text like ``"40GiB"``) for parameters, gradients,
             optimizer state and saved activations; None: no budget.
         recompute: see :data:`RecomputeSpec`; ``"auto"`` plans once, from the first batch, the
-            fastest plan that fits ``memory_budget``.
+            fastest plan that fits ``memory_budget`` (with packing, every batch: each has its own chunks).
         offload: True, False, or blocks per stage whose saved activations go to host memory.
         mlp_chunk_size: chunk size for position-wise MLPs (HelixPipe), or None.
         mlp_modules: attribute names of the MLP submodules to chunk.
@@ -185,7 +185,8 @@ class StrategyMemory:
 
     def before_step(self, batch: Any, rest: tuple) -> Callable[[int, int], Any] | None:
         """Plan once for ``recompute='auto'``; the executor's ``block_wrapper`` for this step (or None)."""
-        if self.auto and not self._planned_auto:
+        if self.auto and (not self._planned_auto or self._packs(batch)):
+            # packed batches: every batch has its own chunks, planned per (stage, chunk) each step
             result = self.plan_batch(batch, rest, self.budget)
             self.static_plan = result.plan
             self.plan = result.plan
@@ -382,6 +383,9 @@ class StrategyMemory:
         backend = packing.packer.attention_backend
         masked = backend == "masked_sdpa" or (backend is None and self.context.device.type != "cuda")
         return chunk_memory(packing.pieces, packing.sequence_lengths, hidden, element, masked=masked)
+
+    def _packs(self, batch: Any) -> bool:
+        return isinstance(self.context.split_batch(batch).plan, PackingPlan)
 
     def _program_for_split(self, batch: Any, plan: PipelinePlan | None, count: int) -> Program | None:
         """Sliced 1F1B when the batch's packing cuts sequences into slices (what the step will run)."""

@@ -284,8 +284,10 @@ class _HalfwayBudget(L.Callback):
         if memory.profile is None:
             memory.measure_profile(batch, (batch_idx,))
             none, full = self._peak(trainer, batch, MemoryPlan()), self._peak(trainer, batch, MemoryPlan.from_options("full"))
-            self.planner.budget = (full + 0.5 * (none - full)) / (1 - memory.planning_margin)
-            memory.set_budget(self.planner.budget)
+            self.budget = (full + 0.5 * (none - full)) / (1 - memory.planning_margin)
+            if self.planner is not None:
+                self.planner.budget = self.budget
+            memory.set_budget(self.budget)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         import json
@@ -296,24 +298,29 @@ class _HalfwayBudget(L.Callback):
         row = {
             "plan": memory.plan.to_dict()["microbatches"], "chunks": trainer.strategy.split_batch(batch).plan.num_microbatches,
             "accounted": memory.last_step.static_bytes + memory.last_step.peak_saved_bytes,
-            "none_peak": self._peak(trainer, batch, MemoryPlan()), "budget": self.planner.budget,
+            "none_peak": self._peak(trainer, batch, MemoryPlan()), "budget": self.budget,
         }
         with open(self.directory / f"rank{rank}.txt", "a") as f:
             f.write(json.dumps(row) + "\n")
 
 
-def test_memory_planner_plans_each_chunk_under_a_binding_budget(tmp_path):
+@pytest.mark.parametrize("planner", ["MemoryPlanner", "recompute='auto'"])
+def test_memory_plans_per_chunk_under_a_binding_budget(tmp_path, planner):
     """InfiniPipe's adaptive checkpointing: per (stage, chunk) recompute/offload from each chunk's own
     length and its slice's stored keys and values, planned for every batch's chunks (sliced 1F1B),
-    under a budget below the no-recompute peak; parameters equal one device."""
+    under a budget below the no-recompute peak, by the MemoryPlanner callback or by
+    `recompute='auto'` (which plans every packed batch); parameters equal one device."""
     import json
 
     from lightning_pipe.callbacks import MemoryPlanner
     from tests.helpers.loop import rank_files
 
-    planner = MemoryPlanner(budget="1GiB")  # replaced on the first batch by the halfway budget
     batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
-    _parity(_gpt, batches, _chunks(), callbacks=[_HalfwayBudget(planner, tmp_path), planner])
+    if planner == "MemoryPlanner":
+        callback = MemoryPlanner(budget="1GiB")  # replaced on the first batch by the halfway budget
+        _parity(_gpt, batches, _chunks(), callbacks=[_HalfwayBudget(callback, tmp_path), callback])
+    else:
+        _parity(_gpt, batches, _chunks(recompute="auto", memory_budget="1GiB"), callbacks=[_HalfwayBudget(None, tmp_path)])
     records = {rank: [json.loads(line) for line in text.splitlines()] for rank, text in rank_files(tmp_path).items()}
     for rows in records.values():
         assert len(rows) == STEPS
@@ -326,3 +333,14 @@ def test_memory_planner_plans_each_chunk_under_a_binding_budget(tmp_path):
             chunks = {f"{stage},{mb}" for stage in (0, 1) for mb in range(row["chunks"])}
             assert planned and planned != chunks  # some (stage, chunk) pairs recompute, others keep everything
     assert len({json.dumps(row["plan"], sort_keys=True) for row in records[0]}) > 1  # a plan per batch
+
+
+def test_sliced_chunks_with_optimizer_offload_parity():
+    """SPipe's per-stage host optimizers step once a stage's last chunk is back, also when slices run
+    their backwards last slice first (AdamW of the GPT example); the weights are the rows' counted
+    targets, given up front (the default, counted after the forwards, is refused before training)."""
+    with pytest.raises(ValueError, match=r"cannot weight them. Pass `loss_weights=lambda mb: \(mb\['shift_labels'\]"):
+        _chunks(optimizer_offload=True)
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    targets = lambda mb: (mb["shift_labels"] != -100).sum()  # noqa: E731
+    _parity(_gpt, batches, _chunks(optimizer_offload=True, loss_weights=targets))
