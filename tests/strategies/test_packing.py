@@ -344,3 +344,15 @@ def test_sliced_chunks_with_optimizer_offload_parity():
     batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
     targets = lambda mb: (mb["shift_labels"] != -100).sum()  # noqa: E731
     _parity(_gpt, batches, _chunks(optimizer_offload=True, loss_weights=targets))
+
+
+def test_packing_with_data_parallel_equals_ddp():
+    """pp=2 x dp=2: each replica packs its own batch (its sequences into its own rows) and averages
+    over its own counted targets, as Lightning's DDP on the padded batches does."""
+    batches = padded_lm_batches(2 * STEPS, batch_size=6, max_len=16, seed=11)
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=3, start_method=START_METHOD, packing=Packer(max_tokens=20)
+    )
+    pipelined = fit(_gpt, batches, strategy, devices=4, steps=STEPS)
+    ddp = fit(_gpt, batches, "ddp_fork", devices=2, steps=STEPS)
+    assert_same_parameters(pipelined, ddp, atol=1e-10)
