@@ -7,7 +7,10 @@ in every batch (16x the median), as transformers-style dicts (``input_ids``, ``a
 
 - ``torch 1f1b, padded``: ``torch.distributed.pipelining.Schedule1F1B`` with static shapes: every
   batch padded to the context length (768), as its stages require;
-- ``lightning-pipe, padded``: ``ElasticPipelineStrategy`` on the batch padded to its longest;
+- ``lightning-pipe, padded``: ``ElasticPipelineStrategy(trim_padding=False)`` on the batch padded to
+  its longest;
+- ``lightning-pipe, cut``: the default ``trim_padding=True``: each microbatch of whole samples cut
+  to its own longest sequence, samples grouped by length (no packing);
 - ``lightning-pipe, packing``: ``packing=True`` (4 microbatches of near-equal tokens, no padding);
 - ``lightning-pipe, packing + slicing``: ``Packer(max_tokens=256, slicing=True)`` (the long
   sequence in 3 slices under sliced 1F1B, the others packed in rows of at most 256 tokens).
@@ -18,7 +21,7 @@ runs first or last), each run's median timed step is taken, and the table gives 
 rounds with their range. The load average of the machine is printed: on a shared machine the
 spread says how far to trust a row.
 
-    python benchmarks/bench_long.py                       # 3 rounds, about 6 minutes on 2 cores
+    python benchmarks/bench_long.py                       # 3 rounds, about 8 minutes on 2 cores
     python benchmarks/bench_long.py --rounds 5 --steps 8  # tighter
 """
 
@@ -80,8 +83,10 @@ def run_lightning(name: str, packing, args: argparse.Namespace, out: Path) -> No
             out.write_text(json.dumps(seconds))
 
     torch.set_num_threads(1)
+    trim = packing == "trim"
     strategy = ElasticPipelineStrategy(
-        pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b", start_method="fork", packing=packing
+        pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b", start_method="fork",
+        packing=False if packing in ("trim", "padded") else packing, trim_padding=trim,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
@@ -176,7 +181,8 @@ def main() -> None:
 
     configs = [
         ("torch 1f1b, padded to 768", None),
-        ("lightning-pipe, padded to the longest", False),
+        ("lightning-pipe, padded to the longest", "padded"),
+        ("lightning-pipe, microbatches cut to their longest", "trim"),
         ("lightning-pipe, packing", True),
         ("lightning-pipe, packing + slicing (256)", Packer(max_tokens=256, slicing=True)),
     ]

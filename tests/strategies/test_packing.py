@@ -356,3 +356,44 @@ def test_packing_with_data_parallel_equals_ddp():
     pipelined = fit(_gpt, batches, strategy, devices=4, steps=STEPS)
     ddp = fit(_gpt, batches, "ddp_fork", devices=2, steps=STEPS)
     assert_same_parameters(pipelined, ddp, atol=1e-10)
+
+
+def test_chunks_proposed_in_the_plan_are_what_runs(tmp_path):
+    """The chunking is the plan's microbatching part: a planner proposes Algorithm 1's chunks for the
+    coming batch (N = 4 slices for the longest; the packer alone, with a budget of 24 tokens, would
+    slice nothing), the step runs exactly those (sliced 1F1B), the memory planner plans for them,
+    and parameters equal one device."""
+    import json
+
+    from lightning_pipe.callbacks import MemoryPlanner
+    from lightning_pipe.planning.chunking import PlannedChunks, chunk_batch
+    from lightning_pipe.planning.proposals import PlanProposal
+    from tests.helpers.loop import rank_files
+
+    class ProposeChunks(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            lengths = batch["attention_mask"].sum(1).tolist()
+            self.chunks = PlannedChunks.from_plan(chunk_batch(lengths, 4, CHUNK_COST), lengths)
+            trainer.strategy.propose(PlanProposal("ProposeChunks", chunks=self.chunks))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            strategy = trainer.strategy
+            row = {
+                "ran": [list(map(list, g)) for g in strategy.split_batch(batch).plan.pieces],
+                "proposed": [list(map(list, g)) for g in self.chunks.pieces], "sliced": self.chunks.is_sliced,
+                "in_plan": strategy.plan.chunks == self.chunks,
+                "planned_for": len(strategy.memory.microbatch_shapes(batch)),
+            }
+            with open(tmp_path / f"rank{strategy.layout.pipeline_rank}.txt", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    callbacks = [ProposeChunks(), MemoryPlanner(budget="1GiB")]
+    _parity(_gpt, batches, _pipeline(packing=Packer(max_tokens=24, slicing=True)), callbacks=callbacks)
+    for text in rank_files(tmp_path).values():
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert len(rows) == STEPS
+        for row in rows:
+            assert row["ran"] == row["proposed"] and row["in_plan"] and row["sliced"]
+            assert row["planned_for"] == len(row["proposed"])
+    assert all(not Packer(max_tokens=24, slicing=True).plan(b, 3).is_sliced for b in batches)
