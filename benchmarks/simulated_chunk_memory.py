@@ -43,7 +43,11 @@ from lightning_pipe.planning.traces import github_like_trace  # noqa: E402
 from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b  # noqa: E402
 
 CONTEXT = 65536
-FIXED = {"none": MemoryPlan(), "full": MemoryPlan.from_options("full"), "keep_attn": MemoryPlan.from_options("keep_attention")}
+FIXED = {
+    "none": MemoryPlan(),
+    "full": MemoryPlan.from_options("full"),
+    "keep_attn": MemoryPlan.from_options("keep_attention"),
+}
 POLICIES = (*FIXED, "planner (blind)", "planner")
 
 
@@ -56,11 +60,15 @@ def batch_cases(num_batches: int) -> list[dict]:
         lengths = [min(n, CONTEXT) for n in batch]
         _, plan = chunked(cost, lengths, CONTEXT)
         pieces = [[(p.sequence, p.start, p.length) for p in chunk.pieces] for chunk in plan.chunks]
-        cases.append({
-            "program": sliced_1f1b(NUM_STAGES, len(plan.chunks), plan.slices), "shapes": plan.shapes,
-            "chunks": chunk_memory(pieces, lengths, 4096, 2, masked=False, masked_slices=False),
-            "count": len(plan.chunks), "sliced": sum(1 for s in plan.slices if s > 1),
-        })
+        cases.append(
+            {
+                "program": sliced_1f1b(NUM_STAGES, len(plan.chunks), plan.slices),
+                "shapes": plan.shapes,
+                "chunks": chunk_memory(pieces, lengths, 4096, 2, masked=False, masked_slices=False),
+                "count": len(plan.chunks),
+                "sliced": sum(1 for s in plan.slices if s > 1),
+            }
+        )
     return cases
 
 
@@ -74,7 +82,12 @@ def run_budget(cases: list[dict], budget: float, profile, cost, time_limit: floa
         for name, chunks in (("planner (blind)", None), ("planner", case["chunks"])):
             try:
                 plans[name] = plan_memory(
-                    *args, profile, budget, cost_model=cost, options=("full", "keep_attention"), chunks=chunks,
+                    *args,
+                    profile,
+                    budget,
+                    cost_model=cost,
+                    options=("full", "keep_attention"),
+                    chunks=chunks,
                     time_limit=time_limit,
                 ).plan
             except MemoryBudgetError:
@@ -99,8 +112,14 @@ def main() -> None:
     cases = batch_cases(2 if args.quick else args.batches)
     boundaries = uniform_boundaries(cost.num_blocks, NUM_STAGES)
     for name in ("none", "full"):
-        peaks = [max(predict_memory(c["program"], boundaries, c["shapes"], FIXED[name], profile, chunks=c["chunks"]).peak_bytes)
-                 for c in cases]
+        peaks = [
+            max(
+                predict_memory(
+                    c["program"], boundaries, c["shapes"], FIXED[name], profile, chunks=c["chunks"]
+                ).peak_bytes
+            )
+            for c in cases
+        ]
         print(f"largest predicted peak with '{name}' everywhere: {max(peaks) / GIB:.1f} GiB")
     print("chunks per batch:", [c["count"] for c in cases], "sliced sequences:", [c["sliced"] for c in cases])
     budgets = (56, 72) if args.quick else (48, 56, 64, 72, 80, 96)
@@ -113,7 +132,9 @@ def main() -> None:
         gain = f"{min(fixed) / totals['planner']:.2f}x" if fixed and totals["planner"] else "-"
         cells = ["OOM" if totals[p] is None else f"{totals[p]:.2f}" for p in POLICIES]
         print(f"| {budget} | " + " | ".join(cells) + f" | {gain} |")
-    print(f"\npython {platform.python_version()}, command: python {' '.join(sys.argv)}; wall {time.perf_counter() - started:.1f} s")
+    print(
+        f"\npython {platform.python_version()}, command: python {' '.join(sys.argv)}; wall {time.perf_counter() - started:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from lightning_pipe.planning.boundaries import (
     unit_ranges,
 )
 from lightning_pipe.planning.chunk_memory import ChunkMemory, chunk_memory, chunk_shapes
+from lightning_pipe.planning.chunking import PlannedChunks
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost, UnitTables
 from lightning_pipe.planning.depth_estimators import AggregateDepthEstimator, CostModelDepthEstimator
 from lightning_pipe.planning.fit import LinearFit, TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
@@ -104,6 +105,7 @@ __all__ = [
     "PartitionPlan",
     "PipelinePlan",
     "PlanProposal",
+    "PlannedChunks",
     "RegroupPlan",
     "SearchBounds",
     "SearchResult",

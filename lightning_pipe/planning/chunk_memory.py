@@ -57,7 +57,9 @@ class ChunkMemory:
 
     def __post_init__(self) -> None:
         if len(self.attention) != len(self.kept):
-            raise ValueError(f"`ChunkMemory`: {len(self.attention)} attention entries but {len(self.kept)} kept entries.")
+            raise ValueError(
+                f"`ChunkMemory`: {len(self.attention)} attention entries but {len(self.kept)} kept entries."
+            )
         if min((*self.attention, *self.kept), default=0.0) < 0:
             raise ValueError("`ChunkMemory`: bytes must be >= 0.")
 

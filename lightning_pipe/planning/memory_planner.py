@@ -715,13 +715,15 @@ def _nothing_fits(problem: _Problem) -> str:
     mb = int(np.argmax([f.saved for f in footprints[stage]]))
     pre, units, post = problem.profile.stage_units(problem.boundaries, stage)
     fixed = sum(u.saved_bytes(NONE, problem.shapes[mb]) for u in (pre, post) if u is not None)
+    kept = len(units) * problem.chunks.kept[mb] if problem.chunks is not None else 0.0
+    where = f"pre/post units and {format_size(kept)} in the stored keys and values of its slice" if kept else "pre/post units"
     return (
         f"No memory plan fits the budget of {format_size(problem.budget)} per device: even with "
         f"'{most or 'nothing allowed'}' on every block, pipeline rank {rank} peaks at "
         f"{format_size(prediction.peak_bytes[rank])} (static {format_size(prediction.static_bytes[rank])}, saved "
         f"activations {format_size(prediction.saved_peak_bytes[rank])}; stage {stage} microbatch {mb} alone keeps "
-        f"{format_size(footprints[stage][mb].saved)}, of which {format_size(fixed)} in pre/post units that are never "
-        f"recomputed). A budget of at least {format_size(max(prediction.peak_bytes))} would fit; otherwise use more "
+        f"{format_size(footprints[stage][mb].saved)}, of which {format_size(fixed)} in {where}, which no plan "
+        f"removes). A budget of at least {format_size(max(prediction.peak_bytes))} would fit; otherwise use more "
         f"pipeline stages, more (smaller) microbatches, shorter sequences, or allow more of {list(_OPTIONS)} "
         f"(allowed: {list(problem.options)})."
     )

@@ -29,7 +29,9 @@ def test_chunk_shapes_price_each_piece_with_its_context():
     assert sum(s.tokens for s in shapes) == sum(LENGTHS)
     assert sum(s.sum_squared_lengths for s in shapes) == sum(n * n for n in LENGTHS)  # Eq. 1's term telescopes
     sliced = [s for s, group in zip(shapes, pieces) if group[0][1] > 0]
-    assert sliced and all(s.sum_squared_lengths > sum(n * n for _, _, n in g) for s, g in zip(shapes, pieces) if g[0][1] > 0)
+    assert sliced and all(
+        s.sum_squared_lengths > sum(n * n for _, _, n in g) for s, g in zip(shapes, pieces) if g[0][1] > 0
+    )
 
 
 def test_chunk_memory_counts_masks_context_and_the_store():
@@ -73,7 +75,9 @@ def test_the_planner_recomputes_for_the_chunks_bytes_and_fits_with_them():
     stores: the plan counting them recomputes some (stage, chunk) pairs and its prediction fits."""
     pieces, program = _chunks()
     shapes, profile = chunk_shapes(pieces), toy_profile(num_blocks=4)
-    memory = chunk_memory(pieces, LENGTHS, hidden=1, element_bytes=2, masked=False, masked_slices=False)  # toy: 34 bytes/token
+    memory = chunk_memory(
+        pieces, LENGTHS, hidden=1, element_bytes=2, masked=False, masked_slices=False
+    )  # toy: 34 bytes/token
     boundaries = (0, 2, 4)
     unaware = max(predict_memory(program, boundaries, shapes, MemoryPlan(), profile).peak_bytes)
     aware = max(predict_memory(program, boundaries, shapes, MemoryPlan(), profile, chunks=memory).peak_bytes)
@@ -85,6 +89,8 @@ def test_the_planner_recomputes_for_the_chunks_bytes_and_fits_with_them():
     assert max(predict_memory(program, boundaries, shapes, result.plan, profile, chunks=memory).peak_bytes) <= budget
     chosen = {key for key, choice in result.plan.microbatches.items() if choice != StageMemory()}
     assert chosen != {(s, m) for s in range(2) for m in range(len(pieces))}  # per (stage, chunk), not all
-    floor = max(predict_memory(program, boundaries, shapes, MemoryPlan.from_options("full"), profile, chunks=memory).peak_bytes)
+    floor = max(
+        predict_memory(program, boundaries, shapes, MemoryPlan.from_options("full"), profile, chunks=memory).peak_bytes
+    )
     with pytest.raises(MemoryBudgetError, match="No memory plan fits"):
         plan_memory(program, boundaries, shapes, profile, floor * 0.9, chunks=memory, options=("full",))

@@ -182,7 +182,7 @@ def test_chunk_memory_matches_what_a_block_saves_and_stores(rows, context, packe
         pieces, lengths = [(i, 0, n) for i, n in enumerate(packed)], list(packed)
         mode = PackedAttention(cu, backend="masked_sdpa")
     with mode:
-        chunked, out = _saved_bytes(lambda: block(x))
+        chunked, _ = _saved_bytes(lambda: block(x))
     plain, _ = _saved_bytes(lambda: block(x))
     expected = chunk_memory([pieces], lengths, hidden, element_bytes=8)
     assert chunked - plain == expected.attention[0]
