@@ -722,8 +722,8 @@ def _nothing_fits(problem: _Problem) -> str:
         f"'{most or 'nothing allowed'}' on every block, pipeline rank {rank} peaks at "
         f"{format_size(prediction.peak_bytes[rank])} (static {format_size(prediction.static_bytes[rank])}, saved "
         f"activations {format_size(prediction.saved_peak_bytes[rank])}; stage {stage} microbatch {mb} alone keeps "
-        f"{format_size(footprints[stage][mb].saved)}, of which {format_size(fixed)} in {where}, which no plan "
-        f"removes). A budget of at least {format_size(max(prediction.peak_bytes))} would fit; otherwise use more "
+        f"{format_size(footprints[stage][mb].saved)}, of which {format_size(fixed)} in {where}, never recomputed "
+        f"or freed by a plan). A budget of at least {format_size(max(prediction.peak_bytes))} would fit; otherwise use more "
         f"pipeline stages, more (smaller) microbatches, shorter sequences, or allow more of {list(_OPTIONS)} "
         f"(allowed: {list(problem.options)})."
     )
