@@ -196,3 +196,21 @@ def test_chunk_memory_matches_what_a_block_saves_and_stores(rows, context, packe
     later.sum().backward()
     gradients = k_leaf.grad.untyped_storage().nbytes() + v_leaf.grad.untyped_storage().nbytes()
     assert k.untyped_storage().nbytes() + gradients == expected.kept[0]
+
+
+def test_a_plans_chunks_run_only_on_their_batch_and_need_slicing():
+    from lightning_pipe.planning.chunking import PlannedChunks, chunk_batch
+    from lightning_pipe.planning.cost_model import LinearCost
+    from lightning_pipe.runtime.packing import planned_chunker
+
+    batch = padded_lm_batches(1, batch_size=6, max_len=20, seed=2)[0]
+    lengths = batch["attention_mask"].sum(1).tolist()
+    chunks = PlannedChunks.from_plan(chunk_batch(lengths, 3, LinearCost(per_token=1.0, per_squared_length=0.05)), lengths)
+    packer = Packer(max_tokens=20, slicing=True)
+    plan = packer.plan(batch, 3, planned_chunker(packer, chunks))
+    assert plan.pieces == chunks.pieces and plan.slices == chunks.slices
+    other = padded_lm_batches(1, batch_size=6, max_len=20, seed=3)[0]
+    with pytest.raises(ValueError, match="The plan's chunks were made for sequences of"):
+        packer.plan(other, 3, planned_chunker(packer, chunks))
+    with pytest.raises(ValueError, match=r"use `packing=Packer\(max_tokens=..., slicing=True\)`"):
+        planned_chunker(Packer(max_tokens=20), chunks)
