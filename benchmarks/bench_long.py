@@ -7,15 +7,22 @@ in every batch (16x the median), as transformers-style dicts (``input_ids``, ``a
 
 - ``torch 1f1b, padded``: ``torch.distributed.pipelining.Schedule1F1B`` with static shapes: every
   batch padded to the context length (768), as its stages require;
-- ``lightning-pipe, padded``: ``ElasticPipelineStrategy`` on the batch padded to its longest;
+- ``lightning-pipe, padded``: ``ElasticPipelineStrategy(trim_padding=False)`` on the batch padded to
+  its longest;
+- ``lightning-pipe, cut``: the default ``trim_padding=True``: each microbatch of whole samples cut
+  to its own longest sequence, samples grouped by length (no packing);
 - ``lightning-pipe, packing``: ``packing=True`` (4 microbatches of near-equal tokens, no padding);
 - ``lightning-pipe, packing + slicing``: ``Packer(max_tokens=256, slicing=True)`` (the long
   sequence in 3 slices under sliced 1F1B, the others packed in rows of at most 256 tokens).
 
-tokens/s counts real tokens (padding excluded) over the median timed step (each between barriers).
+tokens/s counts real tokens (padding excluded) over the median step: each configuration runs once per
+round (in fresh processes, the order rotated from round to round so that no configuration always
+runs first or last), each run's median timed step is taken, and the table gives the median over the
+rounds with their range. The load average of the machine is printed: on a shared machine the
+spread says how far to trust a row.
 
-    python benchmarks/bench_long.py              # about 2 minutes on 2 cores
-    python benchmarks/bench_long.py --steps 4    # shorter
+    python benchmarks/bench_long.py                       # 3 rounds, about 8 minutes on 2 cores
+    python benchmarks/bench_long.py --rounds 5 --steps 8  # tighter
 """
 
 from __future__ import annotations
@@ -76,8 +83,10 @@ def run_lightning(name: str, packing, args: argparse.Namespace, out: Path) -> No
             out.write_text(json.dumps(seconds))
 
     torch.set_num_threads(1)
+    trim = packing == "trim"
     strategy = ElasticPipelineStrategy(
-        pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b", start_method="fork", packing=packing
+        pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b", start_method="fork",
+        packing=False if packing in ("trim", "padded") else packing, trim_padding=trim,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
@@ -146,10 +155,23 @@ def run_torch_rank(rank: int, args: argparse.Namespace, store: str, out: str) ->
     dist.destroy_process_group()
 
 
+def run_config(name: str, packing, args: argparse.Namespace, folder: str, index: int) -> list[float]:
+    """Timed step seconds of one configuration (``packing`` None: torch's padded 1F1B), in fresh processes."""
+    out = Path(folder) / f"{index}.json"
+    if packing is None:
+        mp.spawn(run_torch_rank, args=(args, f"file://{folder}/store{index}", str(out)), nprocs=2, join=True)
+    else:
+        run_lightning(name, packing, args, out)
+    seconds = json.loads(out.read_text())
+    out.unlink()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all configurations, order rotated each round")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from rich.console import Console
@@ -157,29 +179,40 @@ def main() -> None:
 
     from lightning_pipe import Packer
 
+    configs = [
+        ("torch 1f1b, padded to 768", None),
+        ("lightning-pipe, padded to the longest", "padded"),
+        ("lightning-pipe, microbatches cut to their longest", "trim"),
+        ("lightning-pipe, packing", True),
+        ("lightning-pipe, packing + slicing (256)", Packer(max_tokens=256, slicing=True)),
+    ]
     tokens = statistics.mean(int(b["attention_mask"].sum()) for b in make_batches(args.warmup + args.steps)[args.warmup :])
-    rows = []
+    medians: dict[str, list[float]] = {name: [] for name, _ in configs}
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "torch.json"
-        mp.spawn(run_torch_rank, args=(args, f"file://{folder}/store", str(out)), nprocs=2, join=True)
-        rows.append(("torch 1f1b, padded to 768", json.loads(out.read_text())))
-        for name, packing in (
-            ("lightning-pipe, padded to the longest", False),
-            ("lightning-pipe, packing", True),
-            ("lightning-pipe, packing + slicing (256)", Packer(max_tokens=256, slicing=True)),
-        ):
-            out = Path(folder) / f"{len(rows)}.json"
-            run_lightning(name, packing, args, out)
-            rows.append((name, json.loads(out.read_text())))
-    table = Table(title=f"GPT (4 layers, width 128) on batches of {BATCH} sequences, median {MEDIAN}, longest {LONGEST} tokens; 2 processes")
-    for column in ("configuration", "median step (s)", "tokens/s", "vs torch padded"):
+        index = 0
+        for round_ in range(args.rounds):
+            for name, packing in configs[round_ % len(configs) :] + configs[: round_ % len(configs)]:
+                medians[name].append(statistics.median(run_config(name, packing, args, folder, index)))
+                index += 1
+            loads.append(os.getloadavg()[0])
+    table = Table(
+        title=f"GPT (4 layers, width 128) on batches of {BATCH} sequences, median {MEDIAN}, longest {LONGEST} tokens; "
+        f"2 processes; median over {args.rounds} rounds of each round's median step"
+    )
+    for column in ("configuration", "median step (s)", "range over rounds (s)", "tokens/s", "vs torch padded"):
         table.add_column(column, justify="right")
-    base = statistics.median(rows[0][1])
-    for name, seconds in rows:
-        median = statistics.median(seconds)
-        table.add_row(name, f"{median:.3f}", f"{tokens / median:,.0f}", f"{base / median:.2f}x")
+    base = statistics.median(medians[configs[0][0]])
+    for name, _ in configs:
+        median = statistics.median(medians[name])
+        spread = f"{min(medians[name]):.3f} - {max(medians[name]):.3f}"
+        table.add_row(name, f"{median:.3f}", spread, f"{tokens / median:,.0f}", f"{base / median:.2f}x")
     Console().print(table)
-    print(f"{tokens:.0f} real tokens per batch, {args.steps} timed steps after {args.warmup} warm-up, torch {torch.__version__}")
+    print(
+        f"{tokens:.0f} real tokens per batch, {args.steps} timed steps after {args.warmup} warm-up per run, "
+        f"{args.rounds} rounds (configurations alternate, order rotated per round); 1-minute load average "
+        f"{min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores; torch {torch.__version__}"
+    )
 
 
 if __name__ == "__main__":

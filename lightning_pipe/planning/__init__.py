@@ -18,6 +18,8 @@ from lightning_pipe.planning.boundaries import (
     uniform_partition,
     unit_ranges,
 )
+from lightning_pipe.planning.chunk_memory import ChunkMemory, chunk_memory, chunk_shapes
+from lightning_pipe.planning.chunking import PlannedChunks
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost, UnitTables
 from lightning_pipe.planning.depth_estimators import AggregateDepthEstimator, CostModelDepthEstimator
 from lightning_pipe.planning.fit import LinearFit, TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
@@ -76,6 +78,7 @@ from lightning_pipe.planning.trigger import (
 # Public API: everything below; the other modules (`bounds`, `batch_simulation`) are machinery.
 __all__ = [
     "AggregateDepthEstimator",
+    "ChunkMemory",
     "CostModel",
     "CostModelDepthEstimator",
     "DepthDecision",
@@ -102,6 +105,7 @@ __all__ = [
     "PartitionPlan",
     "PipelinePlan",
     "PlanProposal",
+    "PlannedChunks",
     "RegroupPlan",
     "SearchBounds",
     "SearchResult",
@@ -118,6 +122,8 @@ __all__ = [
     "balanced_partition",
     "brute_force_layouts",
     "check_boundaries",
+    "chunk_memory",
+    "chunk_shapes",
     "decide_depth",
     "decide_repartition",
     "estimate_layout_migration",

@@ -23,8 +23,11 @@ lowest time per token that stays within the time limit ``T_t`` and the token lim
 does, ``T_t`` rises to the smallest bucket time (among buckets with room for the tokens) plus the
 sequence's time; when no bucket has room for its tokens, it opens a new bucket.
 
-Pure computation: numbers in, chunks out. Nothing here runs chunks (the runtime packs whole
-sequences, ``runtime/packing.py``; slices are not run yet, docs/long_sequences.md).
+:class:`PlannedChunks` is a batch's chunks as plan data (``PipelinePlan.chunks``, proposed like
+microbatch sizes); :func:`chunk_program` the program they run with.
+
+Pure computation: numbers in, chunks out. The strategy runs them (``runtime/packing.py`` packs
+and slices the rows, docs/long_sequences.md).
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape
+from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
+from lightning_pipe.schedules.ir import Program
 
 BATCHED = "batched"
 SPLIT = "split"
@@ -102,6 +108,92 @@ class ChunkPlan:
     def shapes(self) -> list[MicrobatchShape]:
         """Every chunk's cost-model shape, in schedule order."""
         return [chunk.shape for chunk in self.chunks]
+
+
+@dataclass(frozen=True)
+class PlannedChunks:
+    """A batch's microbatches as chunks: the microbatching part of a
+    :class:`~lightning_pipe.planning.plan.PipelinePlan` when the strategy packs and slices.
+
+    Plain data, checked on construction: every token of every sequence is in exactly one piece, a
+    sliced sequence's pieces are in order, each scheduled group is whole.
+
+    Attributes:
+        pieces: per microbatch (schedule order), its pieces ``(sequence, start, length)``; a slice
+            that is not a whole sequence comes first in its row.
+        slices: microbatches per scheduled group (``sliced_1f1b``'s ``slices``), summing to the
+            number of microbatches.
+        sequence_lengths: real tokens of each sequence of the batch the chunks were made for.
+    """
+
+    pieces: tuple[tuple[tuple[int, int, int], ...], ...]
+    slices: tuple[int, ...]
+    sequence_lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        pieces = tuple(tuple((int(i), int(a), int(n)) for i, a, n in group) for group in self.pieces)
+        object.__setattr__(self, "pieces", pieces)
+        object.__setattr__(self, "slices", tuple(int(c) for c in self.slices))
+        object.__setattr__(self, "sequence_lengths", tuple(int(n) for n in self.sequence_lengths))
+        if not pieces or any(not group for group in pieces):
+            raise ValueError("`PlannedChunks.pieces`: every microbatch needs at least one piece.")
+        if sum(self.slices) != len(pieces) or min(self.slices) < 1:
+            raise ValueError(f"`PlannedChunks.slices` {list(self.slices)} must be >= 1 and sum to the {len(pieces)} microbatches.")
+        covered: dict[int, int] = {}
+        for m, group in enumerate(pieces):
+            for position, (i, a, n) in enumerate(group):
+                if not 0 <= i < len(self.sequence_lengths) or n < 1 or covered.get(i, 0) != a:
+                    raise ValueError(
+                        f"`PlannedChunks`: piece {(i, a, n)} of microbatch {m} does not continue sequence {i} "
+                        f"(tokens 0 to {covered.get(i, 0)} placed before it, lengths {list(self.sequence_lengths)[:8]}...)."
+                    )
+                if position > 0 and n != self.sequence_lengths[i]:
+                    raise ValueError(f"`PlannedChunks`: microbatch {m} holds a slice of sequence {i} after its first piece.")
+                covered[i] = a + n
+        missing = [i for i, n in enumerate(self.sequence_lengths) if n > 0 and covered.get(i, 0) != n]
+        if missing:
+            raise ValueError(f"`PlannedChunks`: sequences {missing[:8]} are not covered to their ends.")
+
+    @classmethod
+    def from_plan(cls, plan: ChunkPlan, sequence_lengths: Sequence[int]) -> PlannedChunks:
+        """Algorithm 1's chunks (:func:`chunk_batch`) as plan data."""
+        pieces = tuple(tuple((p.sequence, p.start, p.length) for p in chunk.pieces) for chunk in plan.chunks)
+        return cls(pieces, plan.slices, tuple(sequence_lengths))
+
+    @property
+    def num_microbatches(self) -> int:
+        """Chunks (microbatches) of the batch."""
+        return len(self.pieces)
+
+    @property
+    def is_sliced(self) -> bool:
+        """Whether a sequence is cut into slices (the step runs sliced 1F1B)."""
+        return any(count > 1 for count in self.slices)
+
+    @property
+    def shapes(self) -> list[MicrobatchShape]:
+        """What the cost model prices for each chunk (``sum((c + s)^2 - c^2)`` over its pieces)."""
+        return [
+            MicrobatchShape(len(group), sum(n for _, _, n in group), float(sum((a + n) ** 2 - a * a for _, a, n in group)))
+            for group in self.pieces
+        ]
+
+
+def chunk_program(plan: Any, num_ranks: int) -> Program:
+    """The training program of a :class:`~lightning_pipe.planning.plan.PipelinePlan` with chunks:
+    sliced 1F1B when a sequence is sliced (backward last slice first), else the plan's family.
+
+    Raises:
+        ValueError: sliced chunks with a family other than ``"1f1b"``.
+    """
+    chunks = plan.chunks
+    if not chunks.is_sliced:
+        return plan.schedule.build(num_ranks, chunks.num_microbatches)
+    if plan.schedule.name != "1f1b":
+        raise ValueError(
+            f"Sliced chunks run as sliced 1F1B; schedule {plan.schedule.name!r} cannot run them: use '1f1b'."
+        )
+    return sliced_1f1b(num_ranks, chunks.num_microbatches, chunks.slices)
 
 
 def chunk_time_model(cost_model: CostModel) -> LinearCost:

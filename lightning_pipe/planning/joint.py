@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_pipe.planning.boundaries import unit_ranges
+from lightning_pipe.planning.chunking import chunk_program
 from lightning_pipe.planning.cost_model import CostModel, LinearCost
 from lightning_pipe.planning.memory_model import (
     FULL,
@@ -220,9 +221,12 @@ def evaluate_plan(
     (inf and the plan unchanged if none fits). With ``plan_memory_too=False`` the plan's own memory
     plan is priced as it is."""
     profile = profile or memory_profile_from_cost_model(cost_model)
-    sizes = plan.microbatch_sizes or even_microbatch_sizes(len(lengths), plan.num_microbatches)
-    shapes = microbatch_shapes(lengths, sizes)
-    program = plan.schedule.build(num_ranks, len(shapes))
+    if plan.chunks is not None:  # packed and sliced chunks: priced by their pieces, run as sliced 1F1B if sliced
+        shapes, program = plan.chunks.shapes, chunk_program(plan, num_ranks)
+    else:
+        sizes = plan.microbatch_sizes or even_microbatch_sizes(len(lengths), plan.num_microbatches)
+        shapes = microbatch_shapes(lengths, sizes)
+        program = plan.schedule.build(num_ranks, len(shapes))
     limit = math.inf if budget is None else budget
     if not plan_memory_too:
         memory = plan.memory or MemoryPlan()
@@ -238,7 +242,9 @@ def evaluate_plan(
     except MemoryBudgetError:
         return math.inf, plan
     memory = None if result.plan.is_empty else result.plan
-    return result.step_seconds, PipelinePlan(plan.boundaries, plan.schedule, len(shapes), memory, plan.microbatch_sizes)
+    return result.step_seconds, PipelinePlan(
+        plan.boundaries, plan.schedule, len(shapes), memory, plan.microbatch_sizes, plan.chunks
+    )
 
 
 def plan_joint(

@@ -19,11 +19,14 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.planning.cost_model import LinearCost, MicrobatchShape
 from lightning_pipe.schedules.action_rules import ACTION_RULES
 from lightning_pipe.schedules.ir import Program
+
+if TYPE_CHECKING:
+    from lightning_pipe.planning.chunk_memory import ChunkMemory
 
 NONE, FULL, KEEP_ATTENTION, OFFLOAD = "none", "full", "keep_attention", "offload"
 BLOCK_MODES = (NONE, FULL, KEEP_ATTENTION, OFFLOAD)
@@ -351,25 +354,34 @@ def stage_footprints(
     boundaries: Sequence[int],
     shapes: Sequence[MicrobatchShape],
     plan: MemoryPlan,
+    chunks: ChunkMemory | None = None,
 ) -> list[list[StageFootprint]]:
-    """Bytes of every (stage, microbatch) under ``plan``, ``[stage][microbatch]``."""
+    """Bytes of every (stage, microbatch) under ``plan``, ``[stage][microbatch]``.
+
+    ``chunks``: what packed and sliced microbatches keep per block beyond the profile
+    (``planning/chunk_memory.py``): attention bytes unless the block is recomputed in full or
+    offloaded, kept bytes (the key/value store) whatever the mode.
+    """
     table = []
     for stage in range(len(boundaries) - 1):
         pre, blocks, post = profile.stage_units(boundaries, stage)
         row = []
         for mb, shape in enumerate(shapes):
             modes = plan.choice(stage, mb).block_modes(len(blocks))
+            attention = chunks.attention[mb] if chunks is not None else 0.0
+            kept = chunks.kept[mb] if chunks is not None else 0.0
             saved = sum(u.saved_bytes(NONE, shape) for u in (pre, post) if u is not None)
             offloaded = forward_transient = backward_transient = 0.0
             for unit, mode in zip(blocks, modes):
-                saved += unit.saved_bytes(mode, shape)
-                whole = unit.saved_bytes(NONE, shape)
+                whole = unit.saved_bytes(NONE, shape) + attention
+                own = unit.saved_bytes(mode, shape) + (attention if mode in (NONE, KEEP_ATTENTION) else 0.0)
+                saved += own + kept
                 if mode == OFFLOAD:
                     offloaded += whole
                     forward_transient = max(forward_transient, whole)
                     backward_transient = max(backward_transient, whole)
                 elif mode != NONE:
-                    backward_transient = max(backward_transient, whole - unit.saved_bytes(mode, shape))
+                    backward_transient = max(backward_transient, whole - own)
             row.append(StageFootprint(saved, offloaded, forward_transient, backward_transient))
         table.append(row)
     return table
@@ -436,6 +448,7 @@ def predict_memory(
     plan: MemoryPlan,
     profile: MemoryProfile,
     static_bytes: Sequence[float] | None = None,
+    chunks: ChunkMemory | None = None,
 ) -> MemoryPrediction:
     """Peak memory of every rank running ``program`` on microbatches of ``shapes`` under ``plan``.
 
@@ -446,6 +459,7 @@ def predict_memory(
         plan: recompute/offload choices.
         profile: saved bytes per unit and mode.
         static_bytes: per stage; default ``profile.static_bytes(boundaries)``.
+        chunks: what packed and sliced microbatches keep beyond the profile (``planning/chunk_memory.py``).
 
     Returns:
         Per rank: static bytes, saved-activation peak, total peak, host peak, where the peak is.
@@ -459,8 +473,10 @@ def predict_memory(
         raise ValueError(f"{len(shapes)} microbatch shapes for a program of {program.num_microbatches} microbatches.")
     if boundaries[-1] != profile.num_blocks:
         raise ValueError(f"boundaries end at block {boundaries[-1]} but the profile has {profile.num_blocks} blocks.")
+    if chunks is not None and chunks.num_microbatches != len(shapes):
+        raise ValueError(f"`chunks` describes {chunks.num_microbatches} microbatches, `shapes` {len(shapes)}.")
     stage_static = list(static_bytes) if static_bytes is not None else profile.static_bytes(boundaries)
-    footprints = stage_footprints(profile, boundaries, shapes, plan)
+    footprints = stage_footprints(profile, boundaries, shapes, plan, chunks)
     statics, saved_peaks, peaks, hosts, where = [], [], [], [], []
     for rank in range(program.num_ranks):
         static = sum(stage_static[s] for s in program.stages_of(rank))

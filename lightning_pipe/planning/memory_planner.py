@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_pipe.planning.chunk_memory import ChunkMemory
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
 from lightning_pipe.planning.memory_model import (
     FULL,
@@ -115,6 +116,7 @@ def profile_cost_model(profile: MemoryProfile, device_flops: float = 1e12) -> Co
 class _Problem:
     """Everything the solvers need, as arrays ``[stage, microbatch]`` (per block values are means)."""
 
+    chunks: ChunkMemory | None
     program: Program
     boundaries: tuple[int, ...]
     shapes: list[MicrobatchShape]
@@ -181,8 +183,11 @@ def _problem(
     host_bandwidth: float,
     static_bytes: Sequence[float] | None,
     mlp_chunk_size: int | None,
+    chunks: ChunkMemory | None = None,
 ) -> _Problem:
     bounds = tuple(int(b) for b in boundaries)
+    if chunks is not None and chunks.num_microbatches != len(shapes):
+        raise ValueError(f"`chunks` describes {chunks.num_microbatches} microbatches, `shapes` {len(shapes)}.")
     model = cost_model if cost_model is not None else profile_cost_model(profile)
     if model.num_blocks != profile.num_blocks:
         raise ValueError(f"The cost model has {model.num_blocks} blocks but the memory profile {profile.num_blocks}.")
@@ -207,13 +212,15 @@ def _problem(
             if not units:
                 continue
             n = len(units)
-            whole = sum(u.saved_bytes(NONE, shape) for u in units) / n
+            attention = chunks.attention[m] if chunks is not None else 0.0
+            base[s, m] += n * (attention + (chunks.kept[m] if chunks is not None else 0.0))
+            whole = sum(u.saved_bytes(NONE, shape) for u in units) / n + attention
             block_costs = model.units[1 + bounds[s] : 1 + bounds[s + 1]]
             fwd = sum(u.forward.evaluate(shape) for u in block_costs) / n
             bwd = sum(u.backward.evaluate(shape) for u in block_costs) / n
             linear = sum(LinearCost(u.forward.constant, u.forward.per_token).evaluate(shape) for u in block_costs) / n
             gain[FULL][s, m] = whole - sum(u.saved_bytes(FULL, shape) for u in units) / n
-            gain[KEEP_ATTENTION][s, m] = whole - sum(u.saved_bytes(KEEP_ATTENTION, shape) for u in units) / n
+            gain[KEEP_ATTENTION][s, m] = whole - attention - sum(u.saved_bytes(KEEP_ATTENTION, shape) for u in units) / n
             gain[OFFLOAD][s, m] = whole
             transient[FULL][s, m] = gain[FULL][s, m]
             transient[KEEP_ATTENTION][s, m] = gain[KEEP_ATTENTION][s, m]
@@ -228,7 +235,7 @@ def _problem(
             gain[o][:] = 0.0
     transfer = np.array([[costs.transfer(s, m) for m in range(M)] for s in range(S)])
     return _Problem(
-        program, bounds, list(shapes), profile,
+        chunks, program, bounds, list(shapes), profile,
         list(static_bytes) if static_bytes is not None else profile.static_bytes(bounds), float(budget),
         tuple(options), blocks, base, gain, transient, seconds, stall_forward,
         np.array(costs.forward, dtype=float), np.array(costs.backward, dtype=float), transfer, costs, split,
@@ -584,6 +591,7 @@ def step_seconds(
     *,
     cost_model: CostModel | None = None,
     host_bandwidth: float = 25e9,
+    chunks: ChunkMemory | None = None,
 ) -> float:
     """Simulated step seconds of ``program`` under any ``plan`` (recompute and offload stalls included).
 
@@ -592,7 +600,7 @@ def step_seconds(
     its stall (as in :func:`plan_memory`).
     """
     problem = _problem(
-        program, boundaries, shapes, profile, math.inf, cost_model, _OPTIONS, host_bandwidth, None, None
+        program, boundaries, shapes, profile, math.inf, cost_model, _OPTIONS, host_bandwidth, None, None, chunks
     )
     counts = _zero_counts(problem)
     for s in range(program.num_stages):
@@ -622,6 +630,7 @@ def plan_memory(
     static_bytes: Sequence[float] | None = None,
     mlp_chunk_size: int | None = None,
     time_limit: float = 10.0,
+    chunks: ChunkMemory | None = None,
 ) -> MemoryPlanResult:
     """The plan with the smallest simulated step time whose predicted peak fits ``budget`` on every rank.
 
@@ -641,6 +650,10 @@ def plan_memory(
         static_bytes: per stage parameters, gradients, optimizer state; default from the profile.
         mlp_chunk_size: recorded in every choice of the plan (not chosen by the planner).
         time_limit: seconds HiGHS may take.
+        chunks: per microbatch, what packed and sliced chunks keep per block beyond the profile
+            (``planning/chunk_memory.py``: masks and a slice's context, removed by full recompute and
+            offload; the key/value store of earlier slices, removed by nothing). Each chunk's own
+            length is in ``shapes``.
 
     Returns:
         The plan, its predicted memory, simulated step time and added seconds.
@@ -654,13 +667,14 @@ def plan_memory(
     if objective not in ("makespan", "recompute"):
         raise ValueError(f"`objective={objective!r}`: use 'makespan' or 'recompute'.")
     problem = _problem(
-        program, boundaries, shapes, profile, budget, cost_model, options, host_bandwidth, static_bytes, mlp_chunk_size
+        program, boundaries, shapes, profile, budget, cost_model, options, host_bandwidth, static_bytes, mlp_chunk_size,
+        chunks,
     )
     empty = _zero_counts(problem)
 
     def result(counts, name) -> MemoryPlanResult | None:
         plan = problem.plan_of(counts)
-        prediction = predict_memory(program, problem.boundaries, shapes, plan, profile, problem.static_stage)
+        prediction = predict_memory(program, problem.boundaries, shapes, plan, profile, problem.static_stage, chunks)
         if not prediction.fits(budget):
             return None
         return MemoryPlanResult(plan, prediction, problem.step_seconds(counts), problem.added_seconds(counts), name, budget)
@@ -692,20 +706,24 @@ def _nothing_fits(problem: _Problem) -> str:
     if most is not None:
         best[most][:] = problem.blocks[:, None]
     plan = problem.plan_of(best)
-    prediction = predict_memory(problem.program, problem.boundaries, problem.shapes, plan, problem.profile, problem.static_stage)
+    prediction = predict_memory(
+        problem.program, problem.boundaries, problem.shapes, plan, problem.profile, problem.static_stage, problem.chunks
+    )
     rank = int(np.argmax(prediction.peak_bytes))
-    footprints = stage_footprints(problem.profile, problem.boundaries, problem.shapes, plan)
+    footprints = stage_footprints(problem.profile, problem.boundaries, problem.shapes, plan, problem.chunks)
     stage = max(problem.program.stages_of(rank), key=lambda s: max(f.saved for f in footprints[s]))
     mb = int(np.argmax([f.saved for f in footprints[stage]]))
     pre, units, post = problem.profile.stage_units(problem.boundaries, stage)
     fixed = sum(u.saved_bytes(NONE, problem.shapes[mb]) for u in (pre, post) if u is not None)
+    kept = len(units) * problem.chunks.kept[mb] if problem.chunks is not None else 0.0
+    where = f"pre/post units and {format_size(kept)} in the stored keys and values of its slice" if kept else "pre/post units"
     return (
         f"No memory plan fits the budget of {format_size(problem.budget)} per device: even with "
         f"'{most or 'nothing allowed'}' on every block, pipeline rank {rank} peaks at "
         f"{format_size(prediction.peak_bytes[rank])} (static {format_size(prediction.static_bytes[rank])}, saved "
         f"activations {format_size(prediction.saved_peak_bytes[rank])}; stage {stage} microbatch {mb} alone keeps "
-        f"{format_size(footprints[stage][mb].saved)}, of which {format_size(fixed)} in pre/post units that are never "
-        f"recomputed). A budget of at least {format_size(max(prediction.peak_bytes))} would fit; otherwise use more "
+        f"{format_size(footprints[stage][mb].saved)}, of which {format_size(fixed)} in {where}, never recomputed "
+        f"or freed by a plan). A budget of at least {format_size(max(prediction.peak_bytes))} would fit; otherwise use more "
         f"pipeline stages, more (smaller) microbatches, shorter sequences, or allow more of {list(_OPTIONS)} "
         f"(allowed: {list(problem.options)})."
     )

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_pipe.planning.chunking import PlannedChunks
 from lightning_pipe.planning.memory_model import MemoryPlan
 from lightning_pipe.schedules import Schedule, resolve_schedule
 
@@ -35,6 +36,9 @@ class PipelinePlan:
         microbatch_sizes: samples of each microbatch, in order (uneven microbatches sized by work,
             ``planning.microbatching``); None: the batch is split evenly (``torch.tensor_split``'s
             rule). Sizes describe one batch: they must sum to its batch size.
+        chunks: the batch's microbatches as packed and sliced chunks (InfiniPipe's, for a strategy
+            with ``packing=Packer(..., slicing=True)``); None: the packer makes its own. Chunks
+            describe one batch, like sizes; ``num_microbatches`` is their count.
     """
 
     boundaries: tuple[int, ...]
@@ -42,6 +46,7 @@ class PipelinePlan:
     num_microbatches: int = 4
     memory: MemoryPlan | None = field(default=None, hash=False)
     microbatch_sizes: tuple[int, ...] | None = None
+    chunks: PlannedChunks | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
@@ -62,6 +67,15 @@ class PipelinePlan:
                     f"`num_microbatches={self.num_microbatches}`; give one size per microbatch."
                 )
             object.__setattr__(self, "microbatch_sizes", sizes)
+        if self.chunks is not None:
+            if not isinstance(self.chunks, PlannedChunks):
+                raise TypeError(f"`PipelinePlan.chunks` must be PlannedChunks or None, got {type(self.chunks).__name__}.")
+            if self.microbatch_sizes is not None or self.chunks.num_microbatches != count:
+                raise ValueError(
+                    f"`PipelinePlan.chunks` holds {self.chunks.num_microbatches} microbatches: give "
+                    f"`num_microbatches={self.chunks.num_microbatches}` and no `microbatch_sizes` (got {count}, "
+                    f"{self.microbatch_sizes})."
+                )
 
     @property
     def num_stages(self) -> int:
@@ -79,6 +93,7 @@ class PipelinePlan:
             "schedule": self.schedule.name,
             "num_microbatches": self.num_microbatches,
             "microbatch_sizes": None if self.microbatch_sizes is None else list(self.microbatch_sizes),
+            "chunk_groups": None if self.chunks is None else list(self.chunks.slices),
             "memory": {} if self.memory is None else self.memory.to_dict(),
         }
 

@@ -9,13 +9,13 @@ migration).
 The merge rule (deterministic, independent of the order proposals arrive in):
 
 1. The plan has four parts, resolved in this order, each given the parts before it:
-   **microbatching** (count and sizes, together), **schedule** (family), **partition**
+   **microbatching** (count and sizes, or count and chunks, together), **schedule** (family), **partition**
    (boundaries), **memory** (recompute/offload plan).
 2. For each part, among the proposals that set it, the one with the highest ``priority`` wins; at
    equal priority the smallest ``source`` name wins (then the smallest text form of the value, so
    even two proposals from one source are ordered). The others are recorded as overridden.
-3. A part nobody proposes keeps the running plan's value, except: microbatch *sizes* describe one
-   batch, so without a proposal the batch is split evenly; boundaries that do not have the stage
+3. A part nobody proposes keeps the running plan's value, except: microbatch *sizes* and *chunks*
+   describe one batch, so without a proposal the batch is split evenly (or packed by the packer); boundaries that do not have the stage
    count of the chosen family (``num_ranks * stages_per_rank``) are not used (a proposal's are
    dropped with a reason; the running ones are replaced by ``default_boundaries(num_stages)``).
 4. The memory part may be a function of the draft plan (parts 1 to 3 resolved): the memory
@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
+from lightning_pipe.planning.chunking import PlannedChunks
 from lightning_pipe.planning.memory_model import MemoryPlan
 from lightning_pipe.planning.plan import PipelinePlan, check_microbatch_sizes
 from lightning_pipe.schedules import Schedule, resolve_schedule
@@ -53,6 +54,8 @@ class PlanProposal:
         schedule: schedule family (a name or spec is resolved to a :class:`Schedule`).
         num_microbatches: microbatches per batch (``len(microbatch_sizes)`` when sizes are given).
         microbatch_sizes: samples of each microbatch of the coming batch.
+        chunks: the coming batch's microbatches as packed and sliced chunks
+            (:class:`~lightning_pipe.planning.chunking.PlannedChunks`; sets the count too).
         memory: a :class:`MemoryPlan`, or a function of the draft plan returning one (or None to
             keep the strategy's static plan).
         priority: higher wins a part several proposals set.
@@ -65,6 +68,7 @@ class PlanProposal:
     microbatch_sizes: tuple[int, ...] | None = None
     memory: MemoryProposal | None = None
     priority: int = 0
+    chunks: PlannedChunks | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
@@ -82,6 +86,17 @@ class PlanProposal:
                 )
             object.__setattr__(self, "microbatch_sizes", sizes)
             object.__setattr__(self, "num_microbatches", len(sizes))
+        if self.chunks is not None:
+            if not isinstance(self.chunks, PlannedChunks) or self.microbatch_sizes is not None:
+                raise ValueError(
+                    f"`PlanProposal({self.source!r}).chunks` must be PlannedChunks, without `microbatch_sizes`."
+                )
+            if self.num_microbatches not in (None, self.chunks.num_microbatches):
+                raise ValueError(
+                    f"`PlanProposal({self.source!r})`: {self.chunks.num_microbatches} chunks but "
+                    f"num_microbatches={self.num_microbatches}."
+                )
+            object.__setattr__(self, "num_microbatches", self.chunks.num_microbatches)
         if self.num_microbatches is not None and (isinstance(self.num_microbatches, bool) or self.num_microbatches < 1):
             raise ValueError(
                 f"`PlanProposal({self.source!r})`: num_microbatches must be >= 1, got {self.num_microbatches!r}."
@@ -107,7 +122,7 @@ class PlanProposal:
     def value(self, part: str) -> Any:
         """The value this proposal gives ``part``."""
         return {
-            "microbatching": (self.num_microbatches, self.microbatch_sizes),
+            "microbatching": (self.num_microbatches, self.microbatch_sizes, self.chunks),
             "schedule": self.schedule,
             "partition": self.boundaries,
             "memory": self.memory,
@@ -176,6 +191,7 @@ def merge_proposals(
     mb = contest("microbatching")
     count = mb.num_microbatches if mb is not None else current.num_microbatches
     sizes = mb.microbatch_sizes if mb is not None else None
+    chunks = mb.chunks if mb is not None else None
 
     sched = contest("schedule")
     schedule = sched.schedule if sched is not None else current.schedule
@@ -195,7 +211,7 @@ def merge_proposals(
     else:
         boundaries = tuple(default_boundaries(num_stages))
 
-    draft = PipelinePlan(boundaries, schedule, count, current.memory, sizes)
+    draft = PipelinePlan(boundaries, schedule, count, current.memory, sizes, chunks)
     mem = contest("memory")
     if mem is not None:
         memory = mem.memory(replace(draft, memory=None)) if callable(mem.memory) else mem.memory

@@ -125,6 +125,30 @@ Chunker = Callable[[list[int]], tuple[tuple[tuple[tuple[int, int, int], ...], ..
 """``lengths -> (pieces per microbatch, microbatches per scheduled group)``."""
 
 
+def planned_chunker(packer: Packer, chunks: Any) -> Chunker:
+    """The ``chunker`` that runs a plan's chunks (``PipelinePlan.chunks``: ``pieces``, ``slices``,
+    ``sequence_lengths``), refusing a batch whose sequences are not the ones they were made for.
+
+    Raises:
+        ValueError: the packer does not slice (chunks may hold slices).
+    """
+    if not packer.slicing:
+        raise ValueError(
+            "The plan gives the batch's microbatches as chunks (`PipelinePlan.chunks`), which may hold slices: use "
+            "`packing=Packer(max_tokens=..., slicing=True)`."
+        )
+
+    def chunker(lengths: list[int]) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], tuple[int, ...]]:
+        if tuple(lengths) != tuple(chunks.sequence_lengths):
+            raise ValueError(
+                f"The plan's chunks were made for sequences of {list(chunks.sequence_lengths)[:8]} tokens, but this "
+                f"batch holds {list(lengths)[:8]}: propose chunks for the batch that runs (in `on_train_batch_start`)."
+            )
+        return chunks.pieces, chunks.slices
+
+    return chunker
+
+
 def _sliced_plan(
     packer: Packer, lengths: list[int], per_token: list[Any], batch: Mapping, chunker: Chunker | None
 ) -> PackingPlan:

@@ -46,7 +46,7 @@ from lightning_pipe.runtime import PipelineExecutor, PointToPoint, ProcessGroups
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
-from lightning_pipe.planning.chunking import chunk_pieces
+from lightning_pipe.planning.chunking import PlannedChunks, chunk_pieces
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.runtime.loss_weights import (
@@ -75,6 +75,7 @@ from lightning_pipe.runtime.packing import (
     check_microbatch,
     packed_block_wrapper,
     packing_difference,
+    planned_chunker,
     slicing_difference,
 )
 from lightning_pipe.model.attention import KeyValueStore
@@ -125,7 +126,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             runs out). None: no budget. See docs/memory.md.
         recompute: ``"none"``, ``"full"``, ``"keep_attention"`` (recompute all but attention), an
             integer ``k`` (full recomputation of every ``k``-th block), a ``StageMemory`` or
-            ``MemoryPlan``, or ``"auto"``: the fastest plan under ``memory_budget`` for the first batch.
+            ``MemoryPlan``, or ``"auto"``: the fastest plan under ``memory_budget`` for the first batch
+            (with ``packing``: for every batch, per (stage, chunk)).
         offload: True (saved activations of every block not recomputed go to host memory until
             backward), False, or a number of blocks per stage.
         mlp_chunk_size: run position-wise MLP submodules (named ``mlp``, ``ffn``, ``feed_forward``) in
@@ -216,6 +218,14 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 "`packing` puts several sequences in one microbatch row, so `loss_weights='samples'` cannot weight "
                 "them: use `loss_weights='auto'` (counted tokens) or turn `packing` off."
             )
+        if self.packer is not None and optimizer_offload and loss_weights == "auto":
+            target = "shift_labels" if self.packer.slicing else "labels"
+            raise ValueError(
+                "`packing` with `optimizer_offload=True`: the stage optimizers step during backward, before the packed "
+                "microbatches' counted targets are known, so `loss_weights='auto'` cannot weight them. Pass "
+                f"`loss_weights=lambda mb: (mb['{target}'] != -100).sum()` (the targets each packed row counts), "
+                "or turn `optimizer_offload` off."
+            )
         self._packing_checked = False  # a microbatch packing two sequences was checked
         self._slicing_checked = False  # a sliced sequence was checked
         if ranks_per_device < 1:
@@ -274,6 +284,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._short_programs: dict[Any, Program] = {}
         self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds per (family, ranks, count)
         self._microbatch_sizes: tuple[int, ...] | None = None
+        self._planned_chunks: PlannedChunks | None = None  # the plan's chunks (packing with slicing)
         self._proposals: list[PlanProposal] = []
         self.last_application: PlanApplication | None = None  # how the latest step's plan was merged and applied
         if async_save and not save_distributed_checkpoint:
@@ -534,6 +545,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.schedule, self.program, self.boundaries = schedule, program, boundaries
         self._num_microbatches = plan.num_microbatches
         self._microbatch_sizes = plan.microbatch_sizes
+        self._planned_chunks = plan.chunks
         self.spans = {
             s: StageSpan(s, boundaries[s], boundaries[s + 1], num_blocks)
             for s in program.stages_of(self.layout.pipeline_rank)
@@ -582,7 +594,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         """The plan the next step runs with."""
         return PipelinePlan(
             self.boundaries, self.schedule, self.num_microbatches, memory=self.memory.plan,
-            microbatch_sizes=self._microbatch_sizes,
+            microbatch_sizes=self._microbatch_sizes, chunks=self._planned_chunks,
         )
 
     def program_for_plan(self, plan: PipelinePlan) -> Program:
@@ -740,22 +752,30 @@ class ElasticPipelineStrategy(ParallelStrategy):
         """
         count = self.num_microbatches if plan is None else plan.num_microbatches
         sizes = self._microbatch_sizes if plan is None else plan.microbatch_sizes
+        chunks = self._planned_chunks if plan is None else plan.chunks
         for seen, key, split in self._splits:
-            if seen is batch and key == (count, sizes):
+            if seen is batch and key == (count, sizes, chunks):
                 return split
-        if self.packer is not None:
-            chunker = None
-            if self.packer.slicing and self.packer.chunk_cost is not None:  # Algorithm 1 (planning/chunking.py)
-                chunker = functools.partial(chunk_pieces, time=self.packer.chunk_cost, max_tokens=self.packer.max_tokens)
-            packed = self.packer.plan(batch, count, chunker)
-            return self._keep_split(batch, (count, sizes), SplitBatch(packed, packed.split(batch)))
         if train is None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             train = bool(trainer is not None and trainer.training)
+        if self.packer is not None:
+            chunker = None
+            if chunks is not None and train:  # the plan's chunks (a planner's), for the batch they were made for
+                chunker = planned_chunker(self.packer, chunks)
+            elif self.packer.slicing and self.packer.chunk_cost is not None:  # Algorithm 1 (planning/chunking.py)
+                chunker = functools.partial(chunk_pieces, time=self.packer.chunk_cost, max_tokens=self.packer.max_tokens)
+            packed = self.packer.plan(batch, count, chunker)
+            return self._keep_split(batch, (count, sizes, chunks), SplitBatch(packed, packed.split(batch)))
+        if chunks is not None and train:
+            raise ValueError(
+                "The plan gives the batch's microbatches as chunks (`PipelinePlan.chunks`), which need "
+                "`ElasticPipelineStrategy(packing=Packer(max_tokens=..., slicing=True))`."
+            )
         planned = self._plan_microbatches(batch, count, sizes, trim=train and self._trim_padding)
         if planned.padding is not None and not self.trim_verdicts.get(planned.padding.layout, TrimVerdict(True)).exact:
             planned = self._plan_microbatches(batch, count, sizes, trim=False)
-        return self._keep_split(batch, (count, sizes), SplitBatch(planned, planned.split(batch)))
+        return self._keep_split(batch, (count, sizes, chunks), SplitBatch(planned, planned.split(batch)))
 
     def _plan_microbatches(self, batch: Any, count: int, sizes: tuple[int, ...] | None, trim: bool) -> MicrobatchPlan:
         """``count`` microbatches of ``sizes`` (even when None or not this batch's: a validation batch after a
@@ -793,7 +813,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         )
         key = (self.num_microbatches, self._microbatch_sizes)
         plan = self._plan_microbatches(batch, *key, trim=False)
-        return self._keep_split(batch, key, SplitBatch(plan, plan.split(batch)))
+        return self._keep_split(batch, (*key, None), SplitBatch(plan, plan.split(batch)))
 
     def _program_for(self, num_microbatches: int, train: bool) -> Program:
         """The program for this step: the plan's, or one for a short batch's fewer microbatches."""

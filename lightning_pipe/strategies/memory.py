@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_pipe.planning.chunk_memory import ChunkMemory, chunk_memory, chunk_shapes
 from lightning_pipe.planning.cost_model import MicrobatchShape
 from lightning_pipe.planning.memory_model import (
     FULL,
@@ -45,6 +46,9 @@ from lightning_pipe.profiling.memory_profile import (
     sequence_lengths,
 )
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
+from lightning_pipe.runtime.packing import PackingPlan
+from lightning_pipe.schedules import validate
+from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
 from lightning_pipe.schedules.ir import ActionType, Program
 from lightning_pipe.runtime import collectives
 from lightning_pipe.strategies.context import PipelineContext
@@ -67,7 +71,7 @@ class StrategyMemory:
         memory_budget: bytes per device (or a size text like ``"40GiB"``) for parameters, gradients,
             optimizer state and saved activations; None: no budget.
         recompute: see :data:`RecomputeSpec`; ``"auto"`` plans once, from the first batch, the
-            fastest plan that fits ``memory_budget``.
+            fastest plan that fits ``memory_budget`` (with packing, every batch: each has its own chunks).
         offload: True, False, or blocks per stage whose saved activations go to host memory.
         mlp_chunk_size: chunk size for position-wise MLPs (HelixPipe), or None.
         mlp_modules: attribute names of the MLP submodules to chunk.
@@ -181,7 +185,8 @@ class StrategyMemory:
 
     def before_step(self, batch: Any, rest: tuple) -> Callable[[int, int], Any] | None:
         """Plan once for ``recompute='auto'``; the executor's ``block_wrapper`` for this step (or None)."""
-        if self.auto and not self._planned_auto:
+        if self.auto and (not self._planned_auto or self._packs(batch)):
+            # packed batches: every batch has its own chunks, planned per (stage, chunk) each step
             result = self.plan_batch(batch, rest, self.budget)
             self.static_plan = result.plan
             self.plan = result.plan
@@ -352,10 +357,44 @@ class StrategyMemory:
     def microbatch_shapes(
         self, batch: Any, lengths: Callable[[Any], Sequence[int]] | None = None, plan: PipelinePlan | None = None
     ) -> list[MicrobatchShape]:
-        """Shapes of the batch's microbatches as the strategy splits it (by ``plan``'s microbatching if given)."""
+        """Shapes of the batch's microbatches as the strategy splits it (by ``plan``'s microbatching if given).
+
+        Packed microbatches (chunks) are priced by their pieces (``planning/chunk_memory.py``:
+        ``chunk_shapes``), not by the width of their packed row."""
+        split = self.context.split_batch(batch, plan)
+        if isinstance(split.plan, PackingPlan):
+            return chunk_shapes(split.plan.pieces)
         measure = lengths or sequence_lengths
         shape = self.profile.shape if self.profile is not None else MicrobatchShape.from_lengths
-        return [shape(measure(mb)) for mb in self.context.split_batch(batch, plan).microbatches]
+        return [shape(measure(mb)) for mb in split.microbatches]
+
+    def chunk_memory(self, batch: Any, plan: PipelinePlan | None = None) -> ChunkMemory | None:
+        """What the batch's packed and sliced microbatches keep per block beyond the memory profile
+        (masks, a slice's context, the key/value store; ``planning/chunk_memory.py``), or None when
+        the strategy does not pack."""
+        packing = self.context.split_batch(batch, plan).plan
+        if not isinstance(packing, PackingPlan):
+            return None
+        assert self.profile is not None
+        hidden = max(unit.hidden for unit in self.profile.units[1:-1]) if self.profile.num_blocks else 0
+        element = next(
+            (p.element_size() for p in self.context.module.parameters() if p.is_floating_point()), 4
+        )
+        backend = packing.packer.attention_backend
+        masked = backend == "masked_sdpa" or (backend is None and self.context.device.type != "cuda")
+        return chunk_memory(packing.pieces, packing.sequence_lengths, hidden, element, masked=masked)
+
+    def _packs(self, batch: Any) -> bool:
+        return isinstance(self.context.split_batch(batch).plan, PackingPlan)
+
+    def _program_for_split(self, batch: Any, plan: PipelinePlan | None, count: int) -> Program | None:
+        """Sliced 1F1B when the batch's packing cuts sequences into slices (what the step will run)."""
+        packing = self.context.split_batch(batch, plan).plan
+        if isinstance(packing, PackingPlan) and packing.is_sliced:
+            program = sliced_1f1b(self.context.pipeline_parallel_size, count, packing.slices)
+            validate(program)
+            return program
+        return None
 
     def measure_profile(self, batch: Any, rest: tuple = (0,), probe_length: int | None = 512) -> MemoryProfile:
         """Probe this rank's stages on the batch's first microbatch, share with the pipeline, fit."""
@@ -387,11 +426,15 @@ class StrategyMemory:
         options = {"mlp_chunk_size": self.mlp_chunk_size, **planner_options}
         program = current.program if plan is None else self.context.program_for_plan(plan)
         boundaries = current.boundaries if plan is None else plan.boundaries
-        if len(shapes) != program.num_microbatches:  # a short batch: fewer microbatches than the plan's
+        sliced = self._program_for_split(batch, plan, len(shapes))
+        if sliced is not None:
+            program = sliced
+        elif len(shapes) != program.num_microbatches:  # a short batch, or packed: microbatches not the plan's count
             schedule = current.schedule if plan is None else plan.schedule
             program = self.context.program_for_plan(PipelinePlan(boundaries, schedule, len(shapes)))
         result = plan_memory(
-            program, boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin), **options
+            program, boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin),
+            chunks=self.chunk_memory(batch, plan), **options,
         )
         self.last_result = result
         log.debug("memory plan (%s): %s", result.method, result.plan.to_dict())

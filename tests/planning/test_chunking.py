@@ -97,3 +97,58 @@ def test_refuses_empty_or_zero_lengths():
         chunk_batch([3, 0], 2, TIME)
     with pytest.raises(ValueError, match=r"`num_slices` must be in \[1, 5\]"):
         split_mesh(5, 6, TIME)
+
+
+# --- chunks as the plan's microbatching part ---------------------------------------------------
+
+
+def _planned(lengths=(900, 120, 80, 300, 60, 40), num_slices=3):
+    from lightning_pipe.planning.chunking import PlannedChunks
+
+    return PlannedChunks.from_plan(chunk_batch(list(lengths), num_slices, TIME), lengths)
+
+
+def test_planned_chunks_are_checked_to_cover_every_token_in_order():
+    from lightning_pipe.planning.chunking import PlannedChunks
+
+    chunks = _planned()
+    assert chunks.is_sliced and chunks.num_microbatches == sum(chunks.slices)
+    assert sum(s.tokens for s in chunks.shapes) == 1500 and sum(s.sum_squared_lengths for s in chunks.shapes) == sum(
+        n * n for n in (900, 120, 80, 300, 60, 40)
+    )
+    with pytest.raises(ValueError, match="not covered to their ends"):
+        PlannedChunks(chunks.pieces[:-1], (*chunks.slices[:-1], chunks.slices[-1] - 1) if chunks.slices[-1] > 1
+                      else chunks.slices[:-1], chunks.sequence_lengths)
+    with pytest.raises(ValueError, match=r"does not continue sequence 0"):
+        PlannedChunks((((0, 10, 890),),), (1,), (900,))
+    with pytest.raises(ValueError, match="sum to the 1 microbatches"):
+        PlannedChunks((((0, 0, 900),),), (2,), (900,))
+
+
+def test_chunks_are_the_plans_microbatching_part():
+    """A proposal's chunks set the count, reach the merged plan, and do not outlive their batch; the
+    joint planner's evaluation prices them by their pieces on sliced 1F1B."""
+    from lightning_pipe.planning.joint import evaluate_plan
+    from lightning_pipe.planning.plan import PipelinePlan
+    from lightning_pipe.planning.proposals import PlanProposal, merge_proposals
+    from lightning_pipe.schedules import simulate
+    from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
+
+    chunks = _planned()
+    current = PipelinePlan((0, 16, 32), "1f1b", 4)
+    merged = merge_proposals(current, [PlanProposal("chunker", chunks=chunks)], 2, lambda n: (0, 16, 32)).plan
+    assert merged.chunks == chunks and merged.num_microbatches == chunks.num_microbatches
+    assert merge_proposals(merged, [], 2, lambda n: (0, 16, 32)).plan.chunks is None  # one batch only
+    with pytest.raises(ValueError, match="give `num_microbatches="):
+        PipelinePlan((0, 16, 32), "1f1b", 4, chunks=chunks)
+    with pytest.raises(ValueError, match="without `microbatch_sizes`"):
+        PlanProposal("x", chunks=chunks, microbatch_sizes=(1, 1))
+
+    cost = gpt_7b()
+    seconds, planned = evaluate_plan(cost, list(chunks.sequence_lengths), merged, 2, None, plan_memory_too=False)
+    program = sliced_1f1b(2, chunks.num_microbatches, chunks.slices)
+    assert seconds == pytest.approx(simulate(program, cost.stage_costs((0, 16, 32), chunks.shapes)).makespan, rel=1e-9)
+    assert planned.chunks == chunks
+    with pytest.raises(ValueError, match="schedule 'gpipe' cannot run them"):
+        evaluate_plan(cost, list(chunks.sequence_lengths), PipelinePlan((0, 16, 32), "gpipe", chunks.num_microbatches,
+                                                                        chunks=chunks), 2, None)

@@ -133,3 +133,84 @@ def test_slicing_cuts_long_sequences_into_consecutive_slices_with_their_targets(
 def test_slicing_needs_a_budget():
     with pytest.raises(ValueError, match=r"`Packer\(slicing=True\)` cuts sequences longer than `max_tokens`: give `max_tokens`"):
         Packer(slicing=True)
+
+
+# --- what chunks keep beyond an unpacked memory profile (planning/chunk_memory.py) ---------------
+
+
+def _saved_bytes(run):
+    """Bytes of the distinct storages autograd saves while ``run`` executes (as the strategy's counter)."""
+    seen = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return sum(seen.values()), out
+
+
+@pytest.mark.parametrize("rows, context, packed", [(12, 0, ()), (12, 20, ()), (8, 16, (5, 3)), (0, 0, (9, 7, 4))])
+def test_chunk_memory_matches_what_a_block_saves_and_stores(rows, context, packed):
+    """The GPT example's block (float64, CPU: masked SDPA): the bytes a slice with ``context`` tokens
+    before it (followed by ``packed`` whole sequences), or a packed row, saves beyond the same block on
+    one unpacked row, and what the key/value store keeps (the projection's storage; the gradients of
+    the slice's keys and values once a later slice's backward ran), are chunk_memory's numbers."""
+    from examples.gpt.model import GPT
+    from lightning_pipe.model.attention import KeyValueStore, PackedAttention, SlicedAttention
+    from lightning_pipe.planning.chunk_memory import chunk_memory
+
+    torch.manual_seed(0)
+    hidden = 16
+    block = GPT(vocab_size=64, block_size=128, n_layer=1, n_head=2, n_embd=hidden).double().blocks[0]
+    total = rows + sum(packed)
+    cu = torch.tensor([0, *torch.tensor([rows, *packed] if rows else list(packed)).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.randn(1, total, hidden, dtype=torch.double, requires_grad=True)
+    store = KeyValueStore()
+    if rows:  # slice 1 of sequence 0 (slice 0: the context), then a later slice 2 that attends to both
+        sequence_length = context + rows + 4
+        pieces = [(0, context, rows)] + [(1 + i, 0, n) for i, n in enumerate(packed)]
+        lengths = [sequence_length, *packed]
+        if context:
+            with SlicedAttention(store, 0, 0, 0, 0):
+                block(torch.randn(1, context, hidden, dtype=torch.double, requires_grad=True))
+        index = 1 if context else 0
+        mode = SlicedAttention(store, 0, index, context, 0, cu if packed else None)
+    else:
+        pieces, lengths = [(i, 0, n) for i, n in enumerate(packed)], list(packed)
+        mode = PackedAttention(cu, backend="masked_sdpa")
+    with mode:
+        chunked, _ = _saved_bytes(lambda: block(x))
+    plain, _ = _saved_bytes(lambda: block(x))
+    expected = chunk_memory([pieces], lengths, hidden, element_bytes=8)
+    assert chunked - plain == expected.attention[0]
+    if not rows:
+        assert expected.kept[0] == 0
+        return
+    k, v, k_leaf, v_leaf = store.entries[(0, 0, 0)][index]
+    assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # views of one projection output
+    with SlicedAttention(store, 0, index + 1, context + rows, 0):  # a later slice: its backward fills the leaves' grads
+        later = block(torch.randn(1, 4, hidden, dtype=torch.double, requires_grad=True))
+    later.sum().backward()
+    gradients = k_leaf.grad.untyped_storage().nbytes() + v_leaf.grad.untyped_storage().nbytes()
+    assert k.untyped_storage().nbytes() + gradients == expected.kept[0]
+
+
+def test_a_plans_chunks_run_only_on_their_batch_and_need_slicing():
+    from lightning_pipe.planning.chunking import PlannedChunks, chunk_batch
+    from lightning_pipe.planning.cost_model import LinearCost
+    from lightning_pipe.runtime.packing import planned_chunker
+
+    batch = padded_lm_batches(1, batch_size=6, max_len=20, seed=2)[0]
+    lengths = batch["attention_mask"].sum(1).tolist()
+    chunks = PlannedChunks.from_plan(chunk_batch(lengths, 3, LinearCost(per_token=1.0, per_squared_length=0.05)), lengths)
+    packer = Packer(max_tokens=20, slicing=True)
+    plan = packer.plan(batch, 3, planned_chunker(packer, chunks))
+    assert plan.pieces == chunks.pieces and plan.slices == chunks.slices
+    other = padded_lm_batches(1, batch_size=6, max_len=20, seed=3)[0]
+    with pytest.raises(ValueError, match="The plan's chunks were made for sequences of"):
+        packer.plan(other, 3, planned_chunker(packer, chunks))
+    with pytest.raises(ValueError, match=r"use `packing=Packer\(max_tokens=..., slicing=True\)`"):
+        planned_chunker(Packer(max_tokens=20), chunks)

@@ -254,3 +254,146 @@ def test_validation_logs_the_token_mean_of_one_device(packing):
     )
     single = L.Trainer(devices=1, **options).validate(model, DataLoader(BatchDataset(batches), batch_size=None), verbose=False)
     assert pipelined[0]["val_loss"] == pytest.approx(single[0]["val_loss"], abs=1e-10, rel=0)
+
+
+# --- adaptive checkpointing per (stage, chunk) ----------------------------------------------------
+
+
+class _HalfwayBudget(L.Callback):
+    """On the first batch (before ``MemoryPlanner``): probe, and set the budget halfway between the
+    predicted peaks of the batch's chunks with full recompute and with none, so that it binds. Every
+    rank computes the same (the probe's records are shared across the pipeline). Records per step the
+    plan, the accounted peak and the no-recompute peak of that batch's chunks."""
+
+    def __init__(self, planner, directory) -> None:
+        self.planner, self.directory = planner, directory
+
+    def _peak(self, trainer, batch, plan):
+        from lightning_pipe.planning.memory_model import predict_memory
+
+        memory = trainer.strategy.memory
+        shapes = memory.microbatch_shapes(batch)
+        program = memory._program_for_split(batch, None, len(shapes))
+        args = (program, trainer.strategy.boundaries, shapes, plan, memory.profile)
+        return max(predict_memory(*args, chunks=memory.chunk_memory(batch)).peak_bytes)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_pipe.planning.memory_model import MemoryPlan
+
+        memory = trainer.strategy.memory
+        if memory.profile is None:
+            memory.measure_profile(batch, (batch_idx,))
+            none, full = self._peak(trainer, batch, MemoryPlan()), self._peak(trainer, batch, MemoryPlan.from_options("full"))
+            self.budget = (full + 0.5 * (none - full)) / (1 - memory.planning_margin)
+            if self.planner is not None:
+                self.planner.budget = self.budget
+            memory.set_budget(self.budget)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import json
+
+        from lightning_pipe.planning.memory_model import MemoryPlan
+
+        memory, rank = trainer.strategy.memory, trainer.strategy.layout.pipeline_rank
+        row = {
+            "plan": memory.plan.to_dict()["microbatches"], "chunks": trainer.strategy.split_batch(batch).plan.num_microbatches,
+            "accounted": memory.last_step.static_bytes + memory.last_step.peak_saved_bytes,
+            "none_peak": self._peak(trainer, batch, MemoryPlan()), "budget": self.budget,
+        }
+        with open(self.directory / f"rank{rank}.txt", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.parametrize("planner", ["MemoryPlanner", "recompute='auto'"])
+def test_memory_plans_per_chunk_under_a_binding_budget(tmp_path, planner):
+    """InfiniPipe's adaptive checkpointing: per (stage, chunk) recompute/offload from each chunk's own
+    length and its slice's stored keys and values, planned for every batch's chunks (sliced 1F1B),
+    under a budget below the no-recompute peak, by the MemoryPlanner callback or by
+    `recompute='auto'` (which plans every packed batch); parameters equal one device."""
+    import json
+
+    from lightning_pipe.callbacks import MemoryPlanner
+    from tests.helpers.loop import rank_files
+
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    if planner == "MemoryPlanner":
+        callback = MemoryPlanner(budget="1GiB")  # replaced on the first batch by the halfway budget
+        _parity(_gpt, batches, _chunks(), callbacks=[_HalfwayBudget(callback, tmp_path), callback])
+    else:
+        _parity(_gpt, batches, _chunks(recompute="auto", memory_budget="1GiB"), callbacks=[_HalfwayBudget(None, tmp_path)])
+    records = {rank: [json.loads(line) for line in text.splitlines()] for rank, text in rank_files(tmp_path).items()}
+    for rows in records.values():
+        assert len(rows) == STEPS
+        for row in rows:
+            assert row["accounted"] <= row["budget"]
+        binding = [row for row in rows if row["none_peak"] > row["budget"]]
+        assert binding  # at least one batch needs the plan
+        for row in binding:
+            planned = {key for key, choice in row["plan"].items() if choice["full"] or choice["keep_attention"] or choice["offload"]}
+            chunks = {f"{stage},{mb}" for stage in (0, 1) for mb in range(row["chunks"])}
+            assert planned and planned != chunks  # some (stage, chunk) pairs recompute, others keep everything
+    assert len({json.dumps(row["plan"], sort_keys=True) for row in records[0]}) > 1  # a plan per batch
+
+
+def test_sliced_chunks_with_optimizer_offload_parity():
+    """SPipe's per-stage host optimizers step once a stage's last chunk is back, also when slices run
+    their backwards last slice first (AdamW of the GPT example); the weights are the rows' counted
+    targets, given up front (the default, counted after the forwards, is refused before training)."""
+    with pytest.raises(ValueError, match=r"cannot weight them. Pass `loss_weights=lambda mb: \(mb\['shift_labels'\]"):
+        _chunks(optimizer_offload=True)
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    targets = lambda mb: (mb["shift_labels"] != -100).sum()
+    _parity(_gpt, batches, _chunks(optimizer_offload=True, loss_weights=targets))
+
+
+def test_packing_with_data_parallel_equals_ddp():
+    """pp=2 x dp=2: each replica packs its own batch (its sequences into its own rows) and averages
+    over its own counted targets, as Lightning's DDP on the padded batches does."""
+    batches = padded_lm_batches(2 * STEPS, batch_size=6, max_len=16, seed=11)
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=3, start_method=START_METHOD, packing=Packer(max_tokens=20)
+    )
+    pipelined = fit(_gpt, batches, strategy, devices=4, steps=STEPS)
+    ddp = fit(_gpt, batches, "ddp_fork", devices=2, steps=STEPS)
+    assert_same_parameters(pipelined, ddp, atol=1e-10)
+
+
+def test_chunks_proposed_in_the_plan_are_what_runs(tmp_path):
+    """The chunking is the plan's microbatching part: a planner proposes Algorithm 1's chunks for the
+    coming batch (N = 4 slices for the longest; the packer alone, with a budget of 24 tokens, would
+    slice nothing), the step runs exactly those (sliced 1F1B), the memory planner plans for them,
+    and parameters equal one device."""
+    import json
+
+    from lightning_pipe.callbacks import MemoryPlanner
+    from lightning_pipe.planning.chunking import PlannedChunks, chunk_batch
+    from lightning_pipe.planning.proposals import PlanProposal
+    from tests.helpers.loop import rank_files
+
+    class ProposeChunks(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            lengths = batch["attention_mask"].sum(1).tolist()
+            self.chunks = PlannedChunks.from_plan(chunk_batch(lengths, 4, CHUNK_COST), lengths)
+            trainer.strategy.propose(PlanProposal("ProposeChunks", chunks=self.chunks))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            strategy = trainer.strategy
+            row = {
+                "ran": [list(map(list, g)) for g in strategy.split_batch(batch).plan.pieces],
+                "proposed": [list(map(list, g)) for g in self.chunks.pieces], "sliced": self.chunks.is_sliced,
+                "in_plan": strategy.plan.chunks == self.chunks,
+                "planned_for": len(strategy.memory.microbatch_shapes(batch)),
+            }
+            with open(tmp_path / f"rank{strategy.layout.pipeline_rank}.txt", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    callbacks = [ProposeChunks(), MemoryPlanner(budget="1GiB")]
+    _parity(_gpt, batches, _pipeline(packing=Packer(max_tokens=24, slicing=True)), callbacks=callbacks)
+    for text in rank_files(tmp_path).values():
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert len(rows) == STEPS
+        for row in rows:
+            assert row["ran"] == row["proposed"] and row["in_plan"] and row["sliced"]
+            assert row["planned_for"] == len(row["proposed"])
+    assert all(not Packer(max_tokens=24, slicing=True).plan(b, 3).is_sliced for b in batches)
