@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from .action_rules import ACTION_RULES
 from .instructions import is_registered_instruction
 from .ir import Action, ActionType, Program
-from .lowering import Message, _produces, is_communication, message_key, message_of, send_of
+from .lowering import Message, _produces, is_communication, message_key, message_of, recv_of, send_of
 
 __all__ = ["ScheduleError", "validate", "format_grid"]
 
@@ -270,6 +270,7 @@ def _check_order(program: Program) -> None:
 
 def _check_matching_and_deadlock(program: Program) -> None:
     rank_of = program.stage_to_rank
+    split = program.pair_ranks is not None
     # Per rank: (is_receive, message key) for communication actions, None for the others.
     comms: list[list[tuple[bool, tuple[int, int, int]] | None]] = []
     sends: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}
@@ -280,11 +281,15 @@ def _check_matching_and_deadlock(program: Program) -> None:
             kind = a.type
             if is_communication(kind):
                 key = message_key(a)
-                receive = kind is ActionType.RECV_F or kind is ActionType.RECV_B
-                if receive:
-                    recvs.setdefault((rank_of[key[0]], rank), []).append((key, step))
+                receive = kind is ActionType.RECV_F or kind is ActionType.RECV_B or kind is ActionType.RECV_C
+                if split:  # split placement: the peer is where the other end of the message runs
+                    peer = program.rank_of_action(send_of(*key) if receive else recv_of(*key))
                 else:
-                    sends.setdefault((rank, rank_of[key[1]]), []).append((key, step))
+                    peer = rank_of[key[0]] if receive else rank_of[key[1]]
+                if receive:
+                    recvs.setdefault((peer, rank), []).append((key, step))
+                else:
+                    sends.setdefault((rank, peer), []).append((key, step))
                 row.append((receive, key))
             else:
                 row.append(None)
@@ -366,8 +371,15 @@ def validate(program: Program, *, forward_only: bool | None = None) -> Program:
     """
     if forward_only is None:
         forward_only = not any(a.type in _BACKWARD_KINDS for actions in program.actions for a in actions)
-    _check_structure(program)
-    _check_exactly_once(program, forward_only)
-    _check_order(program)
+    if program.pair_ranks is not None:
+        from .split_placement import check_split_order, check_split_structure  # imports this module
+
+        check_split_structure(program)
+        _check_exactly_once(program, forward_only)
+        check_split_order(program)
+    else:
+        _check_structure(program)
+        _check_exactly_once(program, forward_only)
+        _check_order(program)
     _check_matching_and_deadlock(program)
     return program
