@@ -14,20 +14,18 @@ rules of CONVENTIONS.md, extended by one message:
   backward-side compute (its ``RECOMPUTE``, or ``B``/``I``), which must rebuild the activations.
 
 Between every ordered pair of ranks receives follow the peer's send order, as for any program.
-:func:`lightning_pipe.schedules.validate` checks these programs with :func:`check_split_structure`
-and :func:`check_split_order` in place of the one-rank-per-stage checks.
+:func:`lightning_pipe.schedules.validate` checks these programs with split-placement versions of its
+structure and order checks (the rank of an action is its pair's, not its stage's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from .action_rules import ACTION_RULES
 from .ir import Action, ActionType, Program
 from .lowering import is_communication, recv_of, send_of
-from .validate import _fail
 
-__all__ = ["build_split_program", "check_split_order", "check_split_structure", "split_messages"]
+__all__ = ["build_split_program", "first_backward_flags", "split_messages"]
 
 _F, _B, _I = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT
 _RECOMPUTE = ActionType.RECOMPUTE
@@ -71,7 +69,8 @@ def split_messages(
     return needs, produces
 
 
-def _first_backward_flags(order: Sequence[Action]) -> list[bool]:
+def first_backward_flags(order: Sequence[Action]) -> list[bool]:
+    """Per action of a rank's order: whether it is its pair's first backward-side compute there."""
     seen: set[tuple[int, int | None]] = set()
     flags = []
     for action in order:
@@ -103,7 +102,7 @@ def build_split_program(
         The program; run :func:`lightning_pipe.schedules.validate` on it to check it.
     """
     orders = [[a for a in order if not is_communication(a.type)] for order in compute_orders]
-    flags = [_first_backward_flags(order) for order in orders]
+    flags = [first_backward_flags(order) for order in orders]
     program_ranks = Program(name, len(stage_to_rank), num_microbatches, tuple(stage_to_rank), (), pair_ranks)
     sent: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for rank, order in enumerate(orders):
@@ -136,63 +135,3 @@ def build_split_program(
             out.extend(send_of(*message) for message in produces)
         result.append(tuple(out))
     return Program(name, len(stage_to_rank), num_microbatches, tuple(stage_to_rank), tuple(result), pair_ranks)
-
-
-def check_split_structure(program: Program) -> None:
-    """Every action of a split-placement program sits on the rank its pair names, inside the ranges."""
-    pair_ranks = program.pair_ranks
-    assert pair_ranks is not None
-    if len(pair_ranks) != program.num_stages or any(len(row) != program.num_microbatches for row in pair_ranks):
-        _fail(program, "pair_ranks must have one (forward, backward) rank per stage and microbatch", "structure")
-    for rank, actions in enumerate(program.actions):
-        for step, a in enumerate(actions):
-            if not 0 <= a.stage < program.num_stages:
-                _fail(program, f"{a}: stage {a.stage} outside 0..{program.num_stages - 1}", "structure", rank, step)
-            if a.microbatch is not None and not 0 <= a.microbatch < program.num_microbatches:
-                _fail(program, f"{a}: microbatch outside 0..{program.num_microbatches - 1}", "structure", rank, step)
-            if a.microbatch is None and a.type is not ActionType.STEP:
-                _fail(program, f"{a}: needs a microbatch", "structure", rank, step)
-            placed = program.rank_of_action(a)
-            if placed != rank:
-                _fail(program, f"{a}: its pair places it on rank {placed}, not here", "structure", rank, step)
-
-
-def check_split_order(program: Program) -> None:
-    """Dependencies of every action on its rank, with receives standing for work done elsewhere, and
-    every message a compute action produces sent right there (the split-placement ``_check_order``)."""
-    pair_ranks = program.pair_ranks
-    assert pair_ranks is not None
-    last = program.num_stages - 1
-    for rank, actions in enumerate(program.actions):
-        done: set[tuple] = set()
-        flags = _first_backward_flags(actions)
-        for step, a in enumerate(actions):
-            s, mb = a.stage, a.microbatch
-            for dependency in ACTION_RULES[a.type].requires:
-                stage = s + dependency.stage_offset
-                if stage < 0 or stage > last or mb is None:
-                    continue
-                there = {program.rank_of_action(Action(stage, kind, mb)) for kind in dependency.kinds}
-                if rank in there:
-                    if not any((kind, stage, mb) in done for kind in dependency.kinds):
-                        _fail(program, f"{a} runs before {dependency.reason}", "dependency", rank, step)
-                    continue
-                receive = dependency.received_as if dependency.stage_offset else ActionType.RECV_C
-                if (receive, s, mb) not in done:
-                    why = dependency.received_reason if dependency.stage_offset else "receive of its checkpoint"
-                    _fail(program, f"{a} runs before {Action(s, receive, mb)} ({why})", "dependency", rank, step)
-            if a.type.is_compute or a.type is _RECOMPUTE:
-                needs, _ = split_messages(a, pair_ranks, flags[step])
-                for message in needs:
-                    receive = recv_of(*message)
-                    if (receive.type, receive.stage, receive.microbatch) not in done:
-                        _fail(program, f"{a} runs before {receive}", "communication", rank, step)
-            if is_communication(a.type) and (a.type, s, mb) in done:
-                _fail(program, f"{a} appears twice", "communication", rank, step)
-            done.add((a.type, s, mb))
-        for step, a in enumerate(actions):
-            if a.type.is_compute or a.type is _RECOMPUTE:
-                for message in split_messages(a, pair_ranks, flags[step])[1]:
-                    send = send_of(*message)
-                    if (send.type, send.stage, send.microbatch) not in done:
-                        _fail(program, f"{a} needs {send} after it", "communication", rank, step)
