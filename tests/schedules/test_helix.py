@@ -130,3 +130,23 @@ def test_validator_catches_a_misplaced_attention():
     broken = dataclasses.replace(program, actions=tuple(tuple(r) for r in rows))
     with pytest.raises(ScheduleError, match="places it on rank 0"):
         validate(broken)
+
+
+def test_simulated_7b_benchmark_ordering_and_trend():
+    """benchmarks/simulated_helix.py: at long sequences HelixPipe beats ZB-H1, which beats 1F1B, and its
+    gain grows with the sequence length (the paper: +26% at 128k on 8 stages)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "simulated_helix.py"
+    spec = importlib.util.spec_from_file_location("simulated_helix", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    gains = []
+    for seq in (32768, 131072):
+        one = bench.baseline("1f1b", 4, 8, seq, False, 100.0)
+        zb = bench.baseline("zb_h1", 4, 8, seq, False, 100.0)
+        hx = bench.helix_makespan(4, 8, seq, False, 100.0)
+        assert hx < zb < one
+        gains.append(zb / hx)
+    assert gains[1] > gains[0]
