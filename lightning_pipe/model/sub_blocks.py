@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +80,7 @@ class SubBlockUnits:
         num_attention_inputs: how many of ``pre``'s outputs go to ``attention``.
         in_spec: pytree spec of the block's ``(args, kwargs)``.
         out_spec: pytree spec of the block's output.
+        carried_tensors: per carried value, whether it is a tensor (False: a size, an int).
     """
 
     pre: fx.GraphModule
@@ -88,6 +89,38 @@ class SubBlockUnits:
     num_attention_inputs: int
     in_spec: Any
     out_spec: Any
+    carried_tensors: tuple[bool, ...] = ()
+    layouts: dict[str, tuple[tuple[int, ...] | None, ...]] = field(default_factory=dict)
+
+    def rebind(self, block: nn.Module) -> SubBlockUnits:
+        """The same cut for another block of the stack (same class and parameter shapes): units that
+        use ``block``'s own parameters, with no second capture.
+
+        Raises:
+            BlockNotSplittable: when ``block``'s parameters and buffers do not match by name and shape.
+        """
+        mine = {n: tuple(t.shape) for n, t in _tensors(self.pre) | _tensors(self.post)}
+        theirs = dict((n, tuple(t.shape)) for n, t in _tensors(block))
+        if any(theirs.get(name) != shape for name, shape in mine.items()):
+            raise _refuse(block, "its parameters differ from the captured block's (a stack of unlike blocks)")
+
+        def module(unit: fx.GraphModule) -> fx.GraphModule:
+            root = nn.Module()
+            for name, child in block.named_children():
+                root.add_module(name, child)
+            for name, tensor in block.named_parameters(recurse=False):
+                root.register_parameter(name, tensor)
+            for name, tensor in block.named_buffers(recurse=False):
+                root.register_buffer(name, tensor)
+            for node in unit.graph.nodes:  # effect-only submodules of the capture (shape guards)
+                if node.op == "call_module" and not hasattr(root, str(node.target)):
+                    root.add_module(str(node.target), unit.get_submodule(str(node.target)))
+            return fx.GraphModule(root, unit.graph)
+
+        return SubBlockUnits(
+            module(self.pre), self.attention, module(self.post), self.num_attention_inputs, self.in_spec,
+            self.out_spec, self.carried_tensors, self.layouts,
+        )
 
     def run_pre(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Pre-attention: ``(attention_inputs, carried)`` from the block's own arguments."""
@@ -101,18 +134,47 @@ class SubBlockUnits:
         return outputs[: self.num_attention_inputs], outputs[self.num_attention_inputs :]
 
     def run_attention(self, *attention_inputs: Any) -> Any:
-        """The attention core (parameter-free)."""
-        return self.attention(*attention_inputs)[0]
+        """The attention core (parameter-free), on inputs in the captured memory layout."""
+        inputs = _in_layouts(attention_inputs, self.layouts.get("attention_inputs", ()))
+        return self.attention(*inputs)[0]
 
     def run_post(self, attention_output: Any, *carried: Any) -> Any:
         """Post-attention: the block's output, structured as the block returns it."""
-        flat = self.post(attention_output, *carried)
+        values = _in_layouts((attention_output, *carried), self.layouts.get("post_inputs", ()))
+        flat = self.post(*values)
         return tree_unflatten(list(flat), self.out_spec)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The three units composed: equal to the block's forward."""
         attention_inputs, carried = self.run_pre(*args, **kwargs)
         return self.run_post(self.run_attention(*attention_inputs), *carried)
+
+
+def _layout(value: Any) -> tuple[int, ...] | None:
+    """A tensor's dimensions from the largest stride to the smallest (None: not a tensor)."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    return tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), d)))
+
+
+def _in_layouts(values: Sequence[Any], layouts: Sequence[tuple[int, ...] | None]) -> list[Any]:
+    """``values`` with every tensor in its recorded layout (a differentiable copy where it differs).
+
+    The captured graph may rely on the layout it saw: a ``.contiguous()`` that was a no-op during
+    capture is dropped, so a ``view`` after it needs the same strides. A tensor that crossed a process
+    boundary arrives contiguous; this puts it back as the capture saw it (same values, same ops)."""
+    out = list(values)
+    for index, order in enumerate(layouts):
+        value = out[index] if index < len(out) else None
+        if order is None or not isinstance(value, torch.Tensor) or _layout(value) == order:
+            continue
+        inverse = tuple(sorted(range(len(order)), key=lambda d: order[d]))
+        out[index] = value.permute(order).contiguous().permute(inverse)
+    return out
+
+
+def _tensors(module: nn.Module) -> set[tuple[str, torch.Tensor]]:
+    return set(module.named_parameters()) | {(n, b) for n, b in module.named_buffers() if b is not None}
 
 
 def _dynamic_shapes(block: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -214,11 +276,20 @@ def split_block_at_attention(
     results = [n for n in leaves if isinstance(n, fx.Node)]
     if len(results) != len(leaves):
         raise _refuse(block, "it returns a constant among its outputs")
-    return SubBlockUnits(
+    units = SubBlockUnits(
         pre=_subgraph(module, pre_nodes, placeholders, attention_inputs + carried),
         attention=_subgraph(module, [core], attention_inputs, [core]),
         post=_subgraph(module, post_nodes, [core] + carried, results),
         num_attention_inputs=len(attention_inputs),
         in_spec=program.call_spec.in_spec,
         out_spec=program.call_spec.out_spec,
+        carried_tensors=tuple(isinstance(n.meta.get("val"), torch.Tensor) for n in carried),
     )
+    with torch.no_grad():  # one real run of the example records the layouts the graph saw
+        attention_values, carried_values = units.run_pre(*args, **kwargs)
+        output = units.attention(*attention_values)[0]
+    units.layouts = {
+        "attention_inputs": tuple(_layout(v) for v in attention_values),
+        "post_inputs": tuple(_layout(v) for v in (output, *carried_values)),
+    }
+    return units

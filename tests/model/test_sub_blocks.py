@@ -41,8 +41,13 @@ def test_gpt_example_block_cut_at_sdpa():
     assert not list(units.attention.parameters())
     assert {n for n, _ in units.pre.named_parameters()} == {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias"}
     _assert_units_equal_block(block, units, make_inputs, [(2, 8), (1, 5), (3, 19)])  # one capture, any shape
-    attention_inputs, carried = units.run_pre(torch.randn(1, 4, 32, dtype=torch.float64))
+    x = torch.randn(1, 4, 32, dtype=torch.float64)
+    attention_inputs, carried = units.run_pre(x)
     assert [tuple(t.shape) for t in attention_inputs] == [(1, 4, 4, 8)] * 3  # q, k, v by heads
+    # what crossed a process boundary arrives contiguous: the units restore the layout the capture saw
+    moved = [t.contiguous() for t in attention_inputs]
+    output = units.run_attention(*moved).contiguous()
+    assert torch.equal(units.run_post(output, *carried), block(x))
 
 
 def test_transformers_llama_layer_cut_at_its_attention_interface():

@@ -1,0 +1,104 @@
+"""HelixPipe's program run on 2 gloo processes with the GPT example's blocks cut at their attention:
+parameters after two steps equal a one-process run (float64)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from examples.gpt.model import GPT
+from lightning_pipe.model import split_block_at_attention
+from lightning_pipe.runtime import PointToPoint
+from lightning_pipe.runtime.helix import HelixExecutor, HelixParts
+from lightning_pipe.schedules import helix, validate
+
+STEPS, MICROBATCHES, LR = 2, 4, 0.5
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=16).double()
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 32, (8, 13), generator=generator) for _ in range(STEPS)]
+
+
+def _parts(model: GPT) -> HelixParts:
+    """The GPT example as embedding, blocks cut at attention, and head with loss (its own code's ops)."""
+
+    def embed(batch):
+        tokens = batch[:, :-1]
+        return model.drop(model.wte(tokens) + model.wpe(torch.arange(tokens.size(1))))
+
+    def head_loss(hidden, batch):
+        logits = model.lm_head(model.ln_f(hidden))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    example = torch.zeros(2, 5, model.hparams.n_embd, dtype=torch.float64)
+    first = split_block_at_attention(model.blocks[0], (example,))
+    return HelixParts(embed, [first] + [first.rebind(b) for b in model.blocks[1:]], head_loss)
+
+
+_FORKED: dict = {}  # the model and its units, built once before forking (one capture for both ranks)
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, parts = _FORKED["model"], _FORKED["parts"]
+        executor = HelixExecutor(parts, PointToPoint(), list(range(world)), rank, torch.device("cpu"))
+        program = validate(helix(world, MICROBATCHES, layers_per_rank=len(model.blocks) // world, folds=2))
+        losses = []
+        for batch in _batches():
+            model.zero_grad(set_to_none=False)
+            microbatches = list(batch.chunk(MICROBATCHES))
+            losses.append(executor.run(program, microbatches, [1.0 / MICROBATCHES] * MICROBATCHES))
+            for param in model.parameters():  # every gradient is computed on exactly one rank
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param -= LR * param.grad
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        torch.save({"params": state, "losses": losses}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_helix_two_ranks_match_one_process(tmp_path):
+    model = _model()
+    _FORKED.update(model=model, parts=_parts(model))
+    try:
+        mp.start_processes(
+            _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork"
+        )
+    finally:
+        _FORKED.clear()
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    reference = _model()
+    reference.log = lambda *args, **kwargs: None
+    expected_losses = []
+    for batch in _batches():
+        reference.zero_grad()
+        loss = reference.training_step(batch, 0)
+        loss.backward()
+        expected_losses.append(loss.detach())
+        with torch.no_grad():
+            for param in reference.parameters():
+                param -= LR * param.grad
+    for name, param in reference.named_parameters():
+        for part in parts:
+            torch.testing.assert_close(part["params"][name], param.detach(), atol=1e-10, rtol=0)
+    # the loss runs on rank 0 (embedding and head share it); the mean of the microbatch losses is the batch's
+    for step, expected in enumerate(expected_losses):
+        got = parts[0]["losses"][step]
+        assert sorted(got) == list(range(MICROBATCHES)) and not parts[1]["losses"][step]
+        torch.testing.assert_close(torch.stack([got[i] for i in range(MICROBATCHES)]).mean(), expected, atol=1e-12, rtol=0)
