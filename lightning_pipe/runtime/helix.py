@@ -45,11 +45,14 @@ class HelixParts:
         embed: microbatch -> hidden states entering block 0.
         blocks: the blocks cut at their attention, in order.
         head_loss: (last block's output, microbatch) -> the microbatch's loss.
+        block_kwargs: microbatch -> the keyword arguments every block call gets besides the hidden
+            states (rotary tables, masks), computed where a block's pre-attention runs; None: none.
     """
 
     embed: Callable[[Any], Tensor]
     blocks: Sequence[SubBlockUnits]
     head_loss: Callable[[Tensor, Any], Tensor]
+    block_kwargs: Callable[[Any], dict[str, Any]] | None = None
 
 
 @dataclass
@@ -136,7 +139,8 @@ class HelixExecutor:
             hidden = blocks[layer - 1].run_post(inputs[0], *inputs[1:])
         if stage == last:
             return [self.parts.head_loss(hidden, self._microbatches[mb])]
-        attention_inputs, carried = blocks[layer].run_pre(hidden)
+        kwargs = self.parts.block_kwargs(self._microbatches[mb]) if self.parts.block_kwargs is not None else {}
+        attention_inputs, carried = blocks[layer].run_pre(hidden, **kwargs)
         return [*attention_inputs, *carried]
 
     def _forward(self, stage: int, mb: int, recompute: bool, losses: dict[int, Tensor]) -> None:
