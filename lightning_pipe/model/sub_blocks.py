@@ -124,7 +124,7 @@ class SubBlockUnits:
 
     def run_pre(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Pre-attention: ``(attention_inputs, carried)`` from the block's own arguments."""
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = tree_flatten((args, _without_caches(kwargs)))
         if spec != self.in_spec:
             raise BlockNotSplittable(
                 f"the block was captured for arguments shaped {self.in_spec} but is called with {spec}; "
@@ -171,6 +171,20 @@ def _in_layouts(values: Sequence[Any], layouts: Sequence[tuple[int, ...] | None]
         inverse = tuple(sorted(range(len(order)), key=lambda d: order[d]))
         out[index] = value.permute(order).contiguous().permute(inverse)
     return out
+
+
+def _is_cache(value: Any) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__)
+
+
+def _without_caches(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with transformers' key/value caches replaced by None.
+
+    A training step builds a cache (``use_cache`` defaults to True) that every layer appends its keys
+    and values to, and nothing reads: the loss does not depend on it. The units cannot carry it (it is
+    neither a tensor nor a size), so they run without it; a step that returns or reads the cache would
+    see it empty."""
+    return {k: None if _is_cache(v) else v for k, v in kwargs.items()}
 
 
 def _tensors(module: nn.Module) -> set[tuple[str, torch.Tensor]]:
@@ -239,7 +253,7 @@ def split_block_at_attention(
     Raises:
         BlockNotSplittable: when the block cannot be captured, or has no or several attention calls.
     """
-    kwargs = dict(kwargs or {})
+    kwargs = _without_caches(dict(kwargs or {}))
     exporter = capture or torch.export.export
     try:
         program = exporter(block, tuple(args), kwargs, dynamic_shapes=_dynamic_shapes(block, tuple(args), kwargs))

@@ -136,7 +136,8 @@ ACTION_RULES: Mapping[ActionType, ActionRule] = MappingProxyType(
         ActionType.SEND_B: ActionRule(requires=(Dependency((_B, _I), 0, "the backward that produces it"),)),
         ActionType.RECV_F: ActionRule(),
         ActionType.RECV_B: ActionRule(),
-        # Split placement (HelixPipe, SPipe): simulated and validated, not run by the runtime yet.
+        # Split placement (HelixPipe, SPipe): simulated and validated; run by runtime/split_executor.py,
+        # not by the strategy's PipelineExecutor (check_executable refuses them there).
         ActionType.SEND_C: ActionRule(
             executed=False, requires=(Dependency((_F,), 0, "the forward whose input it ships"),)
         ),
@@ -187,8 +188,9 @@ def check_executable(program: Program) -> Program:
             "(RECOMPUTE, OFFLOAD, RELOAD) are for simulation: run recomputation and offload through a memory plan "
             "(`recompute=`/`offload=` of the strategy, or the `MemoryPlanner` callback); STEP through "
             "`optimizer_offload=True`; registered instructions (CUSTOM) have no runtime yet; split placement "
-            "(the 'helix' and 'spipe' families, SEND_C/RECV_C checkpoints) is simulated only: use 1f1b, zb_h1 or "
-            "interleaved_1f1b to train. Remove them from the schedule."
+            "(the 'helix' and 'spipe' programs, SEND_C/RECV_C checkpoints) runs only in "
+            "runtime/split_executor.py, not in the strategy: use 1f1b, zb_h1 or interleaved_1f1b to train with it. "
+            "Remove them from the schedule."
         )
     return program
 

@@ -159,3 +159,88 @@ def test_helix_two_ranks_match_one_process(tmp_path, family):
         assert sorted(got) == list(range(MICROBATCHES)) and not parts[1]["losses"][step]
         mean = torch.stack([got[i] for i in range(MICROBATCHES)]).mean()
         torch.testing.assert_close(mean, expected.to(mean.dtype), atol=atol, rtol=0)
+
+
+def _chunks(batch) -> list:
+    if isinstance(batch, dict):
+        return [dict(zip(batch, values)) for values in zip(*(v.chunk(MICROBATCHES) for v in batch.values()))]
+    return list(batch.chunk(MICROBATCHES))
+
+
+def _first_samples(batch):
+    return _chunks(batch)[0]
+
+
+def _step_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from lightning_pipe.model import StageRunner, find_blocks
+        from lightning_pipe.runtime.helix import StepHelixStages
+        from lightning_pipe.runtime.split_executor import SplitPlacementExecutor
+
+        model, units = _FORKED["model"], _FORKED["units"]
+        model.log = lambda *args, **kwargs: None  # no trainer attached
+        stages = StepHelixStages(StageRunner(model, find_blocks(model)), units)
+        executor = SplitPlacementExecutor(stages, PointToPoint(), list(range(world)), rank, torch.device("cpu"))
+        program = validate(helix(world, MICROBATCHES, layers_per_rank=len(units) // world, folds=2))
+        for batch in _FORKED["batches"]:
+            model.zero_grad(set_to_none=False)
+            executor.run(program, [(mb, 0) for mb in _chunks(batch)], [1.0 / MICROBATCHES] * MICROBATCHES)
+            for param in model.parameters():
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param -= LR * param.grad
+        torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _module(family: str):
+    if family == "llama":
+        from tests.helpers.hf_models import HFCausalLM
+
+        torch.manual_seed(0)
+        return HFCausalLM("llama", layers=4).double()
+    return _model("gpt")
+
+
+def _module_batches(family: str) -> list:
+    if family == "llama":
+        from tests.helpers.hf_models import lm_batches
+
+        return lm_batches(STEPS, 8, [12], padding="none", seed=1)
+    return _batches("gpt")
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_helix_runs_the_unchanged_lightning_module_step(tmp_path, family):
+    """No hand-written embedding or head: the module's own training_step runs around the units."""
+    if family == "llama":
+        pytest.importorskip("transformers")
+    from lightning_pipe.model import find_blocks
+    from lightning_pipe.runtime.helix import split_stack
+
+    model = _module(family)
+    batches = _module_batches(family)
+    units = split_stack(model, find_blocks(model), "training_step", (_first_samples(batches[0]), 0))
+    _FORKED.update(model=model, units=units, batches=batches)
+    try:
+        mp.start_processes(_step_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    finally:
+        _FORKED.clear()
+    reference = _module(family)
+    reference.log = lambda *args, **kwargs: None
+    for batch in batches:
+        reference.zero_grad()
+        reference.training_step(batch, 0).backward()
+        with torch.no_grad():
+            for param in reference.parameters():
+                param -= LR * param.grad
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(got[name], param.detach(), atol=1e-10, rtol=0)

@@ -21,8 +21,9 @@ activations, units keep only their inputs).
 
 The paper's bubble per stage (Table 2), which the simulator reproduces for fold pairs that run as one
 (two-fold = naive FILO on microbatches of twice the cost): ``3(p-1)(t_pre+t_post)`` (naive),
-``6(p-1)(...)`` (two-fold), ``8(p-1)(...)`` (two-fold with recomputation). Simulated and validated; the
-runtime does not run split placement yet (``check_executable`` refuses it).
+``6(p-1)(...)`` (two-fold), ``8(p-1)(...)`` (two-fold with recomputation). Run on real ranks by
+``runtime/split_executor.py`` (``runtime/helix.py``), not by the strategy (``check_executable``
+refuses split placement there).
 """
 
 from __future__ import annotations

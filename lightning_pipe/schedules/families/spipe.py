@@ -13,8 +13,9 @@ rank.
 Order: forward stages in ascending order, all microbatches of one before the next (interleaved
 all-forward-all-backward, like Mobius), then the rank's backward stages in descending order, all
 microbatches each. ``decoupled=False`` runs every backward on its forward's rank (Mobius' coupled
-assignment): a forward stage's whole backward (its finer stages back to back) per microbatch. Simulated and validated; the runtime does not run split
-placement yet (``check_executable`` refuses it).
+assignment): a forward stage's whole backward (its finer stages back to back) per microbatch. Run on real ranks by
+``runtime/split_executor.py`` (``runtime/spipe.py``), not by the strategy (``check_executable``
+refuses split placement there).
 """
 
 from __future__ import annotations
