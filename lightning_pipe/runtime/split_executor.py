@@ -99,6 +99,14 @@ class SplitPlacementExecutor:
         self._local: dict[tuple[int, int], list[Any]] = {}
         self._local_grads: dict[tuple[int, int], list[Tensor]] = {}
         recomputed = {(a.stage, a.microbatch) for r in program.actions for a in r if a.type is ActionType.RECOMPUTE}
+        shipped = [a for r in program.actions for a in r if a.type is ActionType.SEND_C]
+        missing = next((a for a in shipped if (a.stage, a.microbatch) not in recomputed), None)
+        if missing is not None:
+            raise ValueError(
+                f"program {program.name!r} ships the checkpoint {missing} but has no RECOMPUTE of that pair: a backward "
+                "on another rank than its forward rebuilds the activations with an explicit RECOMPUTE action "
+                "(build spipe with recompute_in_backward=False)"
+            )
         losses: dict[int, Tensor] = {}
         for action in program.actions[self.pipeline_rank]:
             kind, stage, mb = action.type, action.stage, action.microbatch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -95,3 +96,11 @@ def test_spipe_two_ranks_shared_parameters_match_one_process(tmp_path):
     # the parent's module shares its parameters' memory with the ranks: it holds the trained values
     for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param.detach(), expected.detach(), atol=1e-10, rtol=0, msg=name)
+
+
+def test_a_shipped_checkpoint_without_recompute_is_refused_before_running():
+    program = spipe(2, 2, stages_per_rank=1, backward_split=2, recompute_in_backward=True)
+    stages = SPipeStages(lambda batch: batch, [torch.nn.Identity()] * 4, lambda hidden, batch: hidden.sum(), program.num_stages)
+    executor = SplitPlacementExecutor(stages, PointToPoint(), [0, 1], 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match="no RECOMPUTE"):
+        executor.run(program, [torch.zeros(1), torch.zeros(1)], [1.0, 1.0])
