@@ -70,3 +70,11 @@ def test_runtime_refusal_sizes_and_a_late_checkpoint():
     rows[rank].append(receive)
     with pytest.raises(ScheduleError, match="RECV_C"):
         validate(dataclasses.replace(program, actions=tuple(tuple(r) for r in rows)))
+
+
+def test_the_strategy_names_are_refused_with_what_to_do():
+    from lightning_pipe.schedules import resolve_schedule
+
+    for name in ("helix", "spipe"):
+        with pytest.raises(ValueError, match="SplitPlacementExecutor"):
+            resolve_schedule(name).build(2, 4)
