@@ -130,7 +130,15 @@ class SubBlockUnits:
                 f"the block was captured for arguments shaped {self.in_spec} but is called with {spec}; "
                 "sub-block units need the same argument structure at every call"
             )
-        outputs = tuple(self.pre(*flat))
+        try:
+            outputs = tuple(self.pre(*flat))
+        except AssertionError as error:  # torch.export's shape guards
+            if "Guard failed" not in str(error):
+                raise
+            raise BlockNotSplittable(
+                f"the units were captured for other sizes ({error}); torch.export fixes a dimension that is 0 or 1 "
+                "in the example: capture with an example whose batch and sequence sizes are at least 2"
+            ) from error
         return outputs[: self.num_attention_inputs], outputs[self.num_attention_inputs :]
 
     def run_attention(self, *attention_inputs: Any) -> Any:
@@ -243,7 +251,9 @@ def split_block_at_attention(
 
     Args:
         block: the user's block, unchanged (its parameters are shared with the units).
-        args: example positional arguments of one call (any batch size and sequence length).
+        args: example positional arguments of one call (any batch size and sequence length of at least
+            2: torch.export fixes a dimension that is 0 or 1 in the example, and the units then refuse
+            other sizes).
         kwargs: example keyword arguments.
         capture: replaces ``torch.export.export`` (tests).
 

@@ -100,6 +100,13 @@ class _DataDependent(nn.Module):
         return F.scaled_dot_product_attention(q, q, q).squeeze(1)
 
 
+def test_a_size_fixed_by_the_example_is_refused_with_what_to_do():
+    block = GPT(n_layer=1, n_embd=16, n_head=2).double().blocks[0]
+    units = split_block_at_attention(block, (torch.randn(1, 6, 16, dtype=torch.float64),))  # batch 1: fixed
+    with pytest.raises(BlockNotSplittable, match="at least 2"):
+        units(torch.randn(2, 6, 16, dtype=torch.float64))
+
+
 @pytest.mark.parametrize(("block", "reason"), [(_TwoAttentions(), "2 attention calls"), (_DataDependent(), "could not capture")])
 def test_blocks_that_cannot_be_cut_are_refused(block, reason):
     with pytest.raises(BlockNotSplittable, match=reason):
