@@ -9,9 +9,12 @@ forwards, so parameters live in host shared memory (``share_parameters`` before 
 shared-memory storage, mapped by every process of one machine) and an update by the owner is seen by
 all after the step's barrier.
 
-Not here yet: SPipe's asynchronous per-stage host optimizer overlapping the remaining backward
-(``runtime/optimizer_offload.py`` has one, with rollback, for the strategy's executor), transfers
-overlapped with compute (sends are asynchronous, receives block), multi-node parameter access.
+SPipe's asynchronous per-stage host optimizer is ``runtime/optimizer_offload.StageOptimizers`` as it
+is: give it, for every stage whose backward runs on the rank, the stage's parameters
+(:meth:`SPipeStages.stage_modules`); each stage steps on a thread as soon as its gradients are final,
+while the backward goes on, and ``finish`` copies the results into the shared parameters
+(tests/runtime/test_spipe.py). Not exercised here: its loss-scale rollback under split placement.
+Not here: transfers of parameters to a device (everything is host memory), multi-node access.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """SPipe's program run on 2 gloo processes: forwards and backwards of a stage on different ranks,
 backward stages split in two, checkpoints (input and RNG state) sent ahead, parameters in host shared
-memory updated by the rank owning each stage's backward; parameters after two steps equal a
-one-process run (float64)."""
+memory updated by the rank owning each stage's backward with the per-stage host optimizers of
+``runtime/optimizer_offload.py`` (each stage steps on a thread once its gradients are final);
+parameters after two steps equal a one-process run (float64)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from examples.gpt.model import GPT
 from lightning_pipe.runtime import PointToPoint
+from lightning_pipe.runtime.optimizer_offload import StageOptimizers
 from lightning_pipe.runtime.spipe import SPipeStages, owned_parameters, share_parameters
 from lightning_pipe.runtime.split_executor import SplitPlacementExecutor
 from lightning_pipe.schedules import ActionType, spipe, validate
@@ -52,20 +54,24 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         model, program = _FORKED["model"], _FORKED["program"]
         stages = _stages(model, program.num_stages)
         executor = SplitPlacementExecutor(stages, PointToPoint(), list(range(world)), rank, torch.device("cpu"))
-        owned = owned_parameters(program, stages, rank, [model.wte, model.wpe], [model.ln_f, model.lm_head])
-        computed = set()
+        embedding, head = [model.wte, model.wpe], [model.ln_f, model.lm_head]
+        owned = owned_parameters(program, stages, rank, embedding, head)
+        mine = [q for q in range(program.num_stages) if program.backward_rank(q, 0) == rank]
+        optimizers = StageOptimizers(
+            torch.optim.SGD(model.parameters(), lr=LR),
+            {q: [p for m in stages.stage_modules(q, embedding, head) for p in m.parameters()] for q in mine},
+        )
+        stepped = set()
         for batch in _batches():
-            for param in model.parameters():
-                param.grad = None
+            optimizers.start_step(MICROBATCHES)
             executor.run(program, list(batch.chunk(MICROBATCHES)), [1.0 / MICROBATCHES] * MICROBATCHES)
-            computed |= {n for n, p in model.named_parameters() if p.grad is not None}
             dist.barrier()  # every forward of this step has read the parameters
-            with torch.no_grad():
-                for param in owned:  # in place, in shared memory: every rank sees the update
-                    param -= LR * param.grad
+            optimizers.finish()  # copies the updated weights into the shared parameters, in place
+            stepped |= {q for q, record in optimizers.records.items() if record.stepped}
             dist.barrier()
+        optimizers.close()
         owned_names = {n for n, p in model.named_parameters() if any(p is q for q in owned)}
-        torch.save({"computed": computed, "owned": owned_names}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"stepped": stepped, "mine": set(mine), "owned": owned_names}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -84,15 +90,14 @@ def test_spipe_two_ranks_shared_parameters_match_one_process(tmp_path):
     assert parts[0]["owned"].isdisjoint(parts[1]["owned"])
     assert parts[0]["owned"] | parts[1]["owned"] == {n for n, _ in model.named_parameters()}
     for part in parts:
-        assert part["computed"] <= part["owned"]
+        assert part["stepped"] == part["mine"]  # every stage stepped on the rank of its backward
     reference = _model()
     reference.log = lambda *args, **kwargs: None
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     for batch in _batches():
-        reference.zero_grad()
+        optimizer.zero_grad()
         reference.training_step(batch, 0).backward()
-        with torch.no_grad():
-            for param in reference.parameters():
-                param -= LR * param.grad
+        optimizer.step()
     # the parent's module shares its parameters' memory with the ranks: it holds the trained values
     for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param.detach(), expected.detach(), atol=1e-10, rtol=0, msg=name)
