@@ -16,6 +16,8 @@ from .auto import AutoScheduleRow, auto_schedule, format_auto_table, render_auto
 from .costs import ActionCosts
 from .dsl import PRESETS, ScheduleSpec, build_spec, parse_spec, register_rule
 from .dsl_engine import RuleContext
+from .families.helix import helix, helix_stage_costs
+from .families.spipe import spipe
 from .instructions import (
     Instruction,
     available_instructions,
@@ -53,6 +55,10 @@ __all__ = [
     "build_program",
     "insert_communication",
     "place_stages",
+    # split placement (simulated only: HelixPipe, SPipe)
+    "helix",
+    "helix_stage_costs",
+    "spipe",
     # checking and measuring
     "validate",
     "ScheduleError",

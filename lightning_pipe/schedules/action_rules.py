@@ -136,6 +136,12 @@ ACTION_RULES: Mapping[ActionType, ActionRule] = MappingProxyType(
         ActionType.SEND_B: ActionRule(requires=(Dependency((_B, _I), 0, "the backward that produces it"),)),
         ActionType.RECV_F: ActionRule(),
         ActionType.RECV_B: ActionRule(),
+        # Split placement (HelixPipe, SPipe): simulated and validated; run by runtime/split_executor.py,
+        # not by the strategy's PipelineExecutor (check_executable refuses them there).
+        ActionType.SEND_C: ActionRule(
+            executed=False, requires=(Dependency((_F,), 0, "the forward whose input it ships"),)
+        ),
+        ActionType.RECV_C: ActionRule(executed=False),
         ActionType.RECOMPUTE: ActionRule(
             duration="forward",
             forward_share=1.0,
@@ -174,12 +180,17 @@ def check_executable(program: Program) -> Program:
         action = next((a for a in actions if not ACTION_RULES[a.type].executed), None)
         if action is not None:
             found.append(f"rank {rank}: {action} ({action.type.name})")
+    if program.pair_ranks is not None and not found:
+        found.append("actions of one stage on several ranks (split placement: HelixPipe's attention, SPipe's backward)")
     if found:
         raise ValueError(
             f"Program {program.name!r} holds actions the runtime does not run ({'; '.join(found)}). Memory actions "
             "(RECOMPUTE, OFFLOAD, RELOAD) are for simulation: run recomputation and offload through a memory plan "
             "(`recompute=`/`offload=` of the strategy, or the `MemoryPlanner` callback); STEP through "
-            "`optimizer_offload=True`; registered instructions (CUSTOM) have no runtime yet. Remove them from the schedule."
+            "`optimizer_offload=True`; registered instructions (CUSTOM) have no runtime yet; split placement "
+            "(the 'helix' and 'spipe' programs, SEND_C/RECV_C checkpoints) runs only in "
+            "runtime/split_executor.py, not in the strategy: use 1f1b, zb_h1 or interleaved_1f1b to train with it. "
+            "Remove them from the schedule."
         )
     return program
 

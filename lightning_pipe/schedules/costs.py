@@ -30,6 +30,8 @@ class ActionCosts:
         saved_bytes: activation bytes a stage keeps from ``F`` until its backward completes,
             ``[stage][microbatch]``.
         static_bytes: parameters, gradients and optimizer state held per stage, ``[stage]``.
+        checkpoint_bytes: bytes a pair that is recomputed keeps from its ``F`` until its ``RECOMPUTE``
+            (the stashed inputs of recomputation), ``[stage][microbatch]``; None: nothing.
         latency: seconds per point-to-point message.
         bandwidth: bytes per second of a point-to-point link (``inf``: free transfer).
     """
@@ -43,6 +45,7 @@ class ActionCosts:
     static_bytes: tuple[float, ...] | None = None
     latency: float = 0.0
     bandwidth: float = math.inf
+    checkpoint_bytes: Table | None = None
 
     @property
     def num_stages(self) -> int:

@@ -8,6 +8,13 @@ Stages are *global* stage indices ``0 .. num_stages - 1``; ``Program.stage_to_ra
 ranks (one-to-one, circular for interleaved schedules, V-shaped for ZB-V). Communication actions name
 the stage that sends or receives; the peer stage is implied (``SEND_F`` of stage ``s`` goes to stage
 ``s + 1``; ``SEND_B`` of stage ``s`` goes to stage ``s - 1``), and so is the peer rank.
+
+Split placement (``Program.pair_ranks``). Two seed schedules put actions of one stage on more than one
+rank: HelixPipe runs the parameter-free attention of layer ``l`` for microbatch ``i`` on a rank that
+depends on ``i``, and SPipe runs a stage's backward on another rank than its forward. For them a
+program carries the forward and backward rank of every ``(stage, microbatch)`` pair, and a stage whose
+backward runs elsewhere ships its input (the *checkpoint*) with ``SEND_C``/``RECV_C`` to the rank that
+recomputes it. Programs without ``pair_ranks`` (every built-in 1F1B-like family) are unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ class ActionType(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    # Split placement only (``Program.pair_ranks``): a stage's input sent from the rank of its forward to
+    # the rank of its backward, which recomputes the stage from it (SPipe's boundary checkpoints).
+    # Simulated and validated; the runtime does not run them (``executed`` is False).
+    SEND_C = "SEND_C"
+    RECV_C = "RECV_C"
     # Simulation and planning only (``action_rules.ACTION_RULES[kind].executed`` is False; the strategy
     # refuses a program holding one before training). Kept in the IR rather than dropped: the simulator,
     # validator and planners price recompute and offload with them, while the runtime applies a memory
@@ -45,7 +57,7 @@ class ActionType(str, enum.Enum):
 
     @property
     def is_communication(self) -> bool:
-        """True for the four point-to-point kinds."""
+        """True for the point-to-point kinds (activations, gradients and checkpoints)."""
         return self in _COMMUNICATION
 
     @property
@@ -55,7 +67,24 @@ class ActionType(str, enum.Enum):
 
 
 _COMPUTE = frozenset({ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT})
-_COMMUNICATION = frozenset({ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B})
+_COMMUNICATION = frozenset(
+    {ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B, ActionType.SEND_C, ActionType.RECV_C}
+)
+#: Kinds that run where the pair's backward runs (``Program.pair_ranks``); every other kind of a pair
+#: runs where its forward runs.
+BACKWARD_SIDE = frozenset(
+    {
+        ActionType.BACKWARD,
+        ActionType.BACKWARD_INPUT,
+        ActionType.BACKWARD_WEIGHT,
+        ActionType.SEND_B,
+        ActionType.RECV_B,
+        ActionType.RECV_C,
+        ActionType.RECOMPUTE,
+        ActionType.OFFLOAD,
+        ActionType.RELOAD,
+    }
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -112,6 +141,10 @@ class Program:
         num_microbatches: number of microbatches per step.
         stage_to_rank: rank of every global stage; ``len == num_stages``.
         actions: one tuple of actions per rank, in execution order.
+        pair_ranks: None when every action of stage ``s`` runs on ``stage_to_rank[s]``. Otherwise
+            ``pair_ranks[stage][microbatch] == (forward_rank, backward_rank)``: where the pair's forward
+            side (``F``, its sends and receives, ``SEND_C``) and backward side (``BACKWARD_SIDE``)
+            run; ``stage_to_rank`` then names the rank that owns the stage's parameters.
     """
 
     name: str
@@ -119,6 +152,7 @@ class Program:
     num_microbatches: int
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    pair_ranks: tuple[tuple[tuple[int, int], ...], ...] | None = field(default=None, repr=False)
 
     @property
     def num_ranks(self) -> int:
@@ -130,5 +164,19 @@ class Program:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
     def rank_of(self, stage: int) -> int:
-        """Rank that runs global ``stage``."""
+        """Rank that runs global ``stage`` (owns its parameters, under split placement)."""
         return self.stage_to_rank[stage]
+
+    def forward_rank(self, stage: int, microbatch: int) -> int:
+        """Rank of the forward side of ``(stage, microbatch)``."""
+        return self.stage_to_rank[stage] if self.pair_ranks is None else self.pair_ranks[stage][microbatch][0]
+
+    def backward_rank(self, stage: int, microbatch: int) -> int:
+        """Rank of the backward side of ``(stage, microbatch)`` (``BACKWARD_SIDE`` kinds)."""
+        return self.stage_to_rank[stage] if self.pair_ranks is None else self.pair_ranks[stage][microbatch][1]
+
+    def rank_of_action(self, action: Action) -> int:
+        """Rank that runs ``action`` (actions without a microbatch: the stage's owner)."""
+        if self.pair_ranks is None or action.microbatch is None:
+            return self.stage_to_rank[action.stage]
+        return self.pair_ranks[action.stage][action.microbatch][action.type in BACKWARD_SIDE]

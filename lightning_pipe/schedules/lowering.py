@@ -77,7 +77,8 @@ class Message(NamedTuple):
 
     Attributes:
         src_stage: stage that sends.
-        dst_stage: stage that receives (``src_stage + 1`` forward, ``src_stage - 1`` backward).
+        dst_stage: stage that receives (``src_stage + 1`` forward, ``src_stage - 1`` backward,
+            ``src_stage`` itself for a checkpoint: the stage's input sent to the rank of its backward).
         microbatch: microbatch it belongs to.
     """
 
@@ -87,15 +88,13 @@ class Message(NamedTuple):
 
     @property
     def send(self) -> Action:
-        """The ``SEND_F``/``SEND_B`` action of the sending stage."""
-        kind = ActionType.SEND_F if self.dst_stage > self.src_stage else ActionType.SEND_B
-        return Action(self.src_stage, kind, self.microbatch)
+        """The ``SEND_F``/``SEND_B``/``SEND_C`` action of the sending stage."""
+        return send_of(self.src_stage, self.dst_stage, self.microbatch)
 
     @property
     def recv(self) -> Action:
-        """The ``RECV_F``/``RECV_B`` action of the receiving stage."""
-        kind = ActionType.RECV_F if self.dst_stage > self.src_stage else ActionType.RECV_B
-        return Action(self.dst_stage, kind, self.microbatch)
+        """The ``RECV_F``/``RECV_B``/``RECV_C`` action of the receiving stage."""
+        return recv_of(self.src_stage, self.dst_stage, self.microbatch)
 
 
 _ENDPOINTS = {
@@ -103,6 +102,8 @@ _ENDPOINTS = {
     ActionType.RECV_F: (-1, 0),
     ActionType.SEND_B: (0, -1),
     ActionType.RECV_B: (1, 0),
+    ActionType.SEND_C: (0, 0),
+    ActionType.RECV_C: (0, 0),
 }
 
 
@@ -122,11 +123,14 @@ def message_of(action: Action) -> Message:
 # ``__hash__`` (used by set membership) is a Python-level call.
 _FORWARD, _BACKWARD, _INPUT = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B
+_SEND_C, _RECV_C = ActionType.SEND_C, ActionType.RECV_C
 
 
 def is_communication(kind: ActionType) -> bool:
     """Fast ``kind.is_communication``."""
-    return kind is _SEND_F or kind is _RECV_F or kind is _SEND_B or kind is _RECV_B
+    return (
+        kind is _SEND_F or kind is _RECV_F or kind is _SEND_B or kind is _RECV_B or kind is _SEND_C or kind is _RECV_C
+    )
 
 
 def message_key(action: Action) -> tuple[int, int, int]:
@@ -136,13 +140,13 @@ def message_key(action: Action) -> tuple[int, int, int]:
 
 
 def send_of(src: int, dst: int, microbatch: int) -> Action:
-    """The send action of the message ``src -> dst`` for ``microbatch``."""
-    return Action(src, _SEND_F if dst > src else _SEND_B, microbatch)
+    """The send action of the message ``src -> dst`` for ``microbatch`` (``src == dst``: a checkpoint)."""
+    return Action(src, _SEND_F if dst > src else _SEND_B if dst < src else _SEND_C, microbatch)
 
 
 def recv_of(src: int, dst: int, microbatch: int) -> Action:
-    """The receive action of the message ``src -> dst`` for ``microbatch``."""
-    return Action(dst, _RECV_F if dst > src else _RECV_B, microbatch)
+    """The receive action of the message ``src -> dst`` for ``microbatch`` (``src == dst``: a checkpoint)."""
+    return Action(dst, _RECV_F if dst > src else _RECV_B if dst < src else _RECV_C, microbatch)
 
 
 def _needs(action: Action, stage_to_rank: Sequence[int]) -> tuple[int, int, int] | None:

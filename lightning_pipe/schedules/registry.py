@@ -48,6 +48,7 @@ class ScheduleFamily:
 
 
 _FAMILIES: dict[str, ScheduleFamily] = {}
+_SPLIT_PLACEMENT = frozenset({"helix", "spipe"})  # programs built by functions, not registered (see docs/schedules.md)
 
 
 def register_schedule(
@@ -103,6 +104,13 @@ def get_family(name: str) -> ScheduleFamily:
     try:
         return _FAMILIES[name]
     except KeyError:
+        if name in _SPLIT_PLACEMENT:
+            raise ValueError(
+                f"schedule {name!r} puts one stage's actions on several ranks, which the strategy does not run yet: "
+                f"build it with lightning_pipe.schedules.{name}() and run it with "
+                "lightning_pipe.runtime.split_executor.SplitPlacementExecutor, or train with 1f1b, zb_h1 or "
+                "interleaved_1f1b"
+            ) from None
         raise ValueError(
             f"unknown schedule {name!r}; valid names: {', '.join(available_schedules())} "
             "(or a DSL spec such as 'placement=circular stages_per_rank=2')"

@@ -7,7 +7,9 @@ time on the sender; the matching receive completes at ``max(issue time, send tim
 Memory is accounted per rank as static bytes plus the saved activations alive: a stage's saved
 bytes for a microbatch are held from its ``F`` until its ``B`` (until ``W`` for zero-bubble), not
 while offloaded (between ``OFFLOAD`` and ``RELOAD``), and, for pairs that have a ``RECOMPUTE``, only
-from the ``RECOMPUTE`` on. Limits: no compute/communication overlap model beyond non-blocking
+from the ``RECOMPUTE`` on (before it, the pair's ``checkpoint_bytes`` when the costs give them). Under
+split placement (``Program.pair_ranks``) a checkpoint (``SEND_C``/``RECV_C``) is one more message, and
+a pair whose backward runs elsewhere holds nothing on its forward's rank. Limits: no compute/communication overlap model beyond non-blocking
 sends, no link contention, memory as a count of bytes (no fragmentation, no workspace).
 """
 
@@ -25,6 +27,7 @@ from .validate import ScheduleError, format_grid
 __all__ = ["TimedAction", "SimulationResult", "simulate"]
 
 _SEND_F, _SEND_B, _RECV_F, _RECV_B = ActionType.SEND_F, ActionType.SEND_B, ActionType.RECV_F, ActionType.RECV_B
+_SEND_C, _RECV_C = ActionType.SEND_C, ActionType.RECV_C
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,13 @@ def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> 
     """Peak bytes (static + saved) and peak in-flight pairs of one rank, from its action order."""
     static = sum(costs.static_bytes[s] for s in program.stages_of(rank)) if costs.static_bytes else 0.0
     recomputed = {(a.stage, a.microbatch) for a in program.actions[rank] if saves_again(a.type)}
+    # Split placement: a forward whose backward runs on another rank keeps nothing here (it ships its
+    # input instead, ``SEND_C``); a recomputed pair holds its checkpoint until its ``RECOMPUTE``.
+    shipped = {(a.stage, a.microbatch) for a in program.actions[rank] if a.type is _SEND_C}
+    checkpoints = costs.checkpoint_bytes
+    # ... and a pair whose forward ran on another rank and that is not recomputed here holds nothing here.
+    received = {(a.stage, a.microbatch) for a in program.actions[rank] if a.type is _RECV_C}
+    shipped_in = received - recomputed
     held: dict[tuple[int, int | None], float] = {}
     offloaded: dict[tuple[int, int | None], float] = {}
     alive = peak = 0.0
@@ -122,16 +132,24 @@ def _memory(program: Program, rank: int, costs: ActionCosts, training: bool) -> 
         saved = costs.saved_bytes[a.stage][a.microbatch] if costs.saved_bytes and a.microbatch is not None else 0.0
         rule = ACTION_RULES[a.type]
         if rule.starts_pair:
-            if training:
+            if training and key not in shipped:
                 pairs[a.microbatch] = pairs.get(a.microbatch, 0) + 1
                 in_flight += pairs[a.microbatch] == 1
                 if key not in recomputed:
                     held[key] = saved
                     alive += saved
+                elif checkpoints is not None:
+                    held[key] = checkpoints[a.stage][a.microbatch]
+                    alive += held[key]
         elif rule.saves:  # saved again later in the step (RECOMPUTE)
+            if key in received:  # the pair's forward ran on another rank: it starts here
+                pairs[a.microbatch] = pairs.get(a.microbatch, 0) + 1
+                in_flight += pairs[a.microbatch] == 1
             alive += saved - held.get(key, 0.0)
             held[key] = saved
         elif rule.frees:
+            if key in shipped_in:  # split placement: the pair was never started on this rank
+                continue
             pairs[a.microbatch] = pairs.get(a.microbatch, 0) - 1
             in_flight -= pairs[a.microbatch] == 0
             alive -= held.pop(key, 0.0)
@@ -199,9 +217,9 @@ def _compile(program: Program, costs: ActionCosts) -> list[list[tuple]]:
         plan: list[tuple] = []
         for a in actions:
             kind = a.type
-            if kind is _SEND_F or kind is _SEND_B:
+            if kind is _SEND_F or kind is _SEND_B or kind is _SEND_C:
                 plan.append((1, message_key(a)))
-            elif kind is _RECV_F or kind is _RECV_B:
+            elif kind is _RECV_F or kind is _RECV_B or kind is _RECV_C:
                 key = message_key(a)
                 plan.append((2, key, costs.transfer(min(key[0], key[1]), key[2])))
             else:

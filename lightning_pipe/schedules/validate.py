@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from .action_rules import ACTION_RULES
 from .instructions import is_registered_instruction
 from .ir import Action, ActionType, Program
-from .lowering import Message, _produces, is_communication, message_key, message_of, send_of
+from .lowering import Message, _produces, is_communication, message_key, message_of, recv_of, send_of
+from .split_placement import first_backward_flags, split_messages
 
 __all__ = ["ScheduleError", "validate", "format_grid"]
 
 _F, _B, _I, _W = (ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
+_RECOMPUTE = ActionType.RECOMPUTE
 _BACKWARD_KINDS = frozenset({_B, _I, _W})
 _RECV = frozenset({ActionType.RECV_F, ActionType.RECV_B})
 
@@ -270,6 +272,7 @@ def _check_order(program: Program) -> None:
 
 def _check_matching_and_deadlock(program: Program) -> None:
     rank_of = program.stage_to_rank
+    split = program.pair_ranks is not None
     # Per rank: (is_receive, message key) for communication actions, None for the others.
     comms: list[list[tuple[bool, tuple[int, int, int]] | None]] = []
     sends: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}
@@ -280,11 +283,15 @@ def _check_matching_and_deadlock(program: Program) -> None:
             kind = a.type
             if is_communication(kind):
                 key = message_key(a)
-                receive = kind is ActionType.RECV_F or kind is ActionType.RECV_B
-                if receive:
-                    recvs.setdefault((rank_of[key[0]], rank), []).append((key, step))
+                receive = kind is ActionType.RECV_F or kind is ActionType.RECV_B or kind is ActionType.RECV_C
+                if split:  # split placement: the peer is where the other end of the message runs
+                    peer = program.rank_of_action(send_of(*key) if receive else recv_of(*key))
                 else:
-                    sends.setdefault((rank, rank_of[key[1]]), []).append((key, step))
+                    peer = rank_of[key[0]] if receive else rank_of[key[1]]
+                if receive:
+                    recvs.setdefault((peer, rank), []).append((key, step))
+                else:
+                    sends.setdefault((rank, peer), []).append((key, step))
                 row.append((receive, key))
             else:
                 row.append(None)
@@ -349,6 +356,66 @@ def _check_matching_and_deadlock(program: Program) -> None:
         )
 
 
+def _check_split_structure(program: Program) -> None:
+    """Every action of a split-placement program sits on the rank its pair names, inside the ranges."""
+    pair_ranks = program.pair_ranks
+    assert pair_ranks is not None
+    if len(pair_ranks) != program.num_stages or any(len(row) != program.num_microbatches for row in pair_ranks):
+        _fail(program, "pair_ranks must have one (forward, backward) rank per stage and microbatch", "structure")
+    for rank, actions in enumerate(program.actions):
+        for step, a in enumerate(actions):
+            if not 0 <= a.stage < program.num_stages:
+                _fail(program, f"{a}: stage {a.stage} outside 0..{program.num_stages - 1}", "structure", rank, step)
+            if a.microbatch is not None and not 0 <= a.microbatch < program.num_microbatches:
+                _fail(program, f"{a}: microbatch outside 0..{program.num_microbatches - 1}", "structure", rank, step)
+            if a.microbatch is None and a.type is not ActionType.STEP:
+                _fail(program, f"{a}: needs a microbatch", "structure", rank, step)
+            placed = program.rank_of_action(a)
+            if placed != rank:
+                _fail(program, f"{a}: its pair places it on rank {placed}, not here", "structure", rank, step)
+
+
+def _check_split_order(program: Program) -> None:
+    """Dependencies of every action on its rank, with receives standing for work done elsewhere, and
+    every message a compute action produces sent right there (the split-placement ``_check_order``)."""
+    pair_ranks = program.pair_ranks
+    assert pair_ranks is not None
+    last = program.num_stages - 1
+    for rank, actions in enumerate(program.actions):
+        done: set[tuple] = set()
+        flags = first_backward_flags(actions)
+        for step, a in enumerate(actions):
+            s, mb = a.stage, a.microbatch
+            for dependency in ACTION_RULES[a.type].requires:
+                stage = s + dependency.stage_offset
+                if stage < 0 or stage > last or mb is None:
+                    continue
+                there = {program.rank_of_action(Action(stage, kind, mb)) for kind in dependency.kinds}
+                if rank in there:
+                    if not any((kind, stage, mb) in done for kind in dependency.kinds):
+                        _fail(program, f"{a} runs before {dependency.reason}", "dependency", rank, step)
+                    continue
+                receive = dependency.received_as if dependency.stage_offset else ActionType.RECV_C
+                if (receive, s, mb) not in done:
+                    why = dependency.received_reason if dependency.stage_offset else "receive of its checkpoint"
+                    _fail(program, f"{a} runs before {Action(s, receive, mb)} ({why})", "dependency", rank, step)
+            if a.type.is_compute or a.type is _RECOMPUTE:
+                needs, _ = split_messages(a, pair_ranks, flags[step])
+                for message in needs:
+                    receive = recv_of(*message)
+                    if (receive.type, receive.stage, receive.microbatch) not in done:
+                        _fail(program, f"{a} runs before {receive}", "communication", rank, step)
+            if is_communication(a.type) and (a.type, s, mb) in done:
+                _fail(program, f"{a} appears twice", "communication", rank, step)
+            done.add((a.type, s, mb))
+        for step, a in enumerate(actions):
+            if a.type.is_compute or a.type is _RECOMPUTE:
+                for message in split_messages(a, pair_ranks, flags[step])[1]:
+                    send = send_of(*message)
+                    if (send.type, send.stage, send.microbatch) not in done:
+                        _fail(program, f"{a} needs {send} after it", "communication", rank, step)
+
+
 def validate(program: Program, *, forward_only: bool | None = None) -> Program:
     """Check every rule of CONVENTIONS.md; raise :class:`ScheduleError` at the first broken one.
 
@@ -366,8 +433,13 @@ def validate(program: Program, *, forward_only: bool | None = None) -> Program:
     """
     if forward_only is None:
         forward_only = not any(a.type in _BACKWARD_KINDS for actions in program.actions for a in actions)
-    _check_structure(program)
-    _check_exactly_once(program, forward_only)
-    _check_order(program)
+    if program.pair_ranks is not None:
+        _check_split_structure(program)
+        _check_exactly_once(program, forward_only)
+        _check_split_order(program)
+    else:
+        _check_structure(program)
+        _check_exactly_once(program, forward_only)
+        _check_order(program)
     _check_matching_and_deadlock(program)
     return program

@@ -68,6 +68,8 @@ def test_simulation_only_kinds_are_refused_before_running():
         ActionType.RELOAD,
         ActionType.STEP,
         ActionType.CUSTOM,
+        ActionType.SEND_C,  # split placement (HelixPipe, SPipe): simulated only
+        ActionType.RECV_C,
     }
     plain = resolve_schedule("1f1b").build(2, 2)
     assert check_executable(plain) is plain

@@ -6,6 +6,8 @@ the compute order of each rank; communication is added by
 """
 
 from .gpipe import gpipe
+from .helix import helix
+from .spipe import spipe
 from .interleaved_1f1b import interleaved_1f1b
 from .looped_bfs import looped_bfs
 from .one_f_one_b import one_f_one_b
@@ -13,4 +15,4 @@ from .sliced_1f1b import sliced_1f1b
 from .zb_h1 import zb_h1
 from .zbv import zbv
 
-__all__ = ["gpipe", "one_f_one_b", "sliced_1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"]
+__all__ = ["gpipe", "helix", "spipe", "one_f_one_b", "sliced_1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"]
