@@ -35,6 +35,11 @@ class PipelinePlan:
         microbatch_sizes: samples of each microbatch, in order (uneven microbatches sized by work,
             ``planning.microbatching``); None: the batch is split evenly (``torch.tensor_split``'s
             rule). Sizes describe one batch: they must sum to its batch size.
+        widths: data-parallel replicas of every stage (elastic depth, FlexPipe): stage ``k`` runs on
+            ``widths[k]`` ranks, taken in rank order, and splits its microbatches between them
+            (``planning/layout.py``); ``sum(widths)`` is the number of processes. None: one replica
+            per stage on every pipeline (the strategy's fixed data parallelism). Needs
+            ``ElasticPipelineStrategy(elastic_depth=True)``.
     """
 
     boundaries: tuple[int, ...]
@@ -42,6 +47,7 @@ class PipelinePlan:
     num_microbatches: int = 4
     memory: MemoryPlan | None = field(default=None, hash=False)
     microbatch_sizes: tuple[int, ...] | None = None
+    widths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
@@ -62,6 +68,14 @@ class PipelinePlan:
                     f"`num_microbatches={self.num_microbatches}`; give one size per microbatch."
                 )
             object.__setattr__(self, "microbatch_sizes", sizes)
+        if self.widths is not None:
+            widths = tuple(int(w) for w in self.widths)
+            if len(widths) != len(self.boundaries) - 1 or min(widths, default=0) < 1:
+                raise ValueError(
+                    f"`PipelinePlan.widths` {list(widths)} must give every one of the {len(self.boundaries) - 1} stages "
+                    "of `boundaries` a width >= 1."
+                )
+            object.__setattr__(self, "widths", widths)
 
     @property
     def num_stages(self) -> int:
@@ -80,6 +94,7 @@ class PipelinePlan:
             "num_microbatches": self.num_microbatches,
             "microbatch_sizes": None if self.microbatch_sizes is None else list(self.microbatch_sizes),
             "memory": {} if self.memory is None else self.memory.to_dict(),
+            "widths": None if self.widths is None else list(self.widths),
         }
 
 

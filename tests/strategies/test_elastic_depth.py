@@ -1,0 +1,63 @@
+"""Elastic depth: 4 processes move between layouts of stages and widths every step, exactly.
+
+Every step runs a different layout (4x1, 2x2, 1x4 and the uneven ones), with new random boundaries,
+inside and across accumulation windows; parameters equal one device's to 1e-10 (float64).
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pipe import ElasticPipelineStrategy
+from tests.helpers.callbacks import RandomLayouts
+from tests.helpers.loop import rank_files
+from tests.helpers.models import TinyGPT
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
+
+LAYOUTS = [(1, 1, 1, 1), (2, 2), (4,), (2, 1, 1), (1, 3), (1, 2, 1), (3, 1), (1, 1, 2)]
+
+
+class RecordLayouts(L.Callback):
+    """Every rank writes the widths, boundaries and its stage of each step."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        row = {"widths": strategy.plan.widths, "boundaries": strategy.plan.boundaries, "stages": list(strategy.spans)}
+        with open(self.directory / f"rank{strategy.global_rank}.txt", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_random_layouts_parity(tmp_path, optimizer):
+    steps, accumulate = 3, 2
+    batches = token_batches(steps * accumulate, batch_size=8, lengths=[9, 5, 7, 9, 6, 8])
+    make = lambda: TinyGPT(layers=6, optimizer=optimizer).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(num_microbatches=4, elastic_depth=True, start_method=START_METHOD)
+    proposer = RandomLayouts(LAYOUTS, seed=7 if optimizer == "adamw" else 11)
+    pipelined = fit(
+        make, batches, strategy, devices=4, steps=steps, accumulate_grad_batches=accumulate,
+        callbacks=[proposer, RecordLayouts(tmp_path)], log_dir=tmp_path / "pipe", gradient_clip_val=0.5,
+    )
+    reference = fit(
+        make, reference_batches(batches, 1), steps=steps, accumulate_grad_batches=accumulate, log_dir=tmp_path / "ref",
+        gradient_clip_val=0.5,
+    )
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    torch.testing.assert_close(logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "ref", "train_loss"))
+    files = rank_files(tmp_path)
+    rows = [[json.loads(line) for line in files[rank].splitlines()] for rank in sorted(files)]
+    assert len(rows) == 4 and all(len(r) == steps * accumulate for r in rows)
+    widths = [tuple(row["widths"]) for row in rows[0]]
+    assert all(a != b for a, b in zip(widths, widths[1:]))  # a new layout every step
+    assert any(len(set(w)) > 1 for w in widths) and any(max(w) > 1 for w in widths)
+    for step in range(steps * accumulate):  # every rank ran the stage its layout gives it
+        w = widths[step]
+        owners = [s for s, width in enumerate(w) for _ in range(width)]
+        assert [rows[rank][step]["stages"] for rank in range(4)] == [[s] for s in owners]
