@@ -61,3 +61,39 @@ def test_random_layouts_parity(tmp_path, optimizer):
         w = widths[step]
         owners = [s for s, width in enumerate(w) for _ in range(width)]
         assert [rows[rank][step]["stages"] for rank in range(4)] == [[s] for s in owners]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"optimizer_offload": True}, "does not support `optimizer_offload=True`"),
+        ({"packing": True}, "does not support `packing`"),
+        ({"recompute": "full"}, "does not apply memory plans yet"),
+        ({"memory_budget": "1GiB"}, "does not apply memory plans yet"),
+        ({"schedule": "gpipe"}, "Use `schedule='1f1b'`"),
+        ({"pipeline_parallel_size": 2}, "leave `pipeline_parallel_size` unset"),
+    ],
+)
+def test_refusals_at_construction(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        ElasticPipelineStrategy(elastic_depth=True, **arguments)
+
+
+def test_refusals_of_plans_and_modules():
+    from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory
+    from lightning_pipe.planning.plan import PipelinePlan
+    from lightning_pipe.strategies.regrouping import Regrouping, contiguous_rank_sets
+
+    with pytest.raises(ValueError, match="needs `ElasticPipelineStrategy\\(elastic_depth=True\\)`"):
+        Regrouping.check_plan(PipelinePlan((0, 2, 4), widths=(2, 2)), 4, enabled=False)
+    with pytest.raises(ValueError, match="must sum to the 4 processes"):
+        Regrouping.check_plan(PipelinePlan((0, 2, 4), widths=(2, 1)), 4, enabled=True)
+    recompute = MemoryPlan(default=StageMemory(full=1))
+    with pytest.raises(ValueError, match="does not apply memory plans"):
+        Regrouping.check_plan(PipelinePlan((0, 2, 4), memory=recompute, widths=(2, 2)), 4, enabled=True)
+    Regrouping.check_plan(PipelinePlan((0, 2, 4), memory=MemoryPlan(), widths=(2, 2)), 4, enabled=True)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        Regrouping().check_module(False, [(None, (0, 3))])
+    with pytest.raises(ValueError, match="torchmetrics"):
+        Regrouping().check_module(True, [])
+    assert contiguous_rank_sets(4) == [(0, 1), (1, 2), (2, 3), (0, 1, 2), (1, 2, 3), (0, 1, 2, 3)]
