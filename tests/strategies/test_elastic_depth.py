@@ -97,3 +97,41 @@ def test_refusals_of_plans_and_modules():
     with pytest.raises(ValueError, match="torchmetrics"):
         Regrouping().check_module(True, [])
     assert contiguous_rank_sets(4) == [(0, 1), (1, 2), (2, 3), (0, 1, 2), (1, 2, 3), (0, 1, 2, 3)]
+
+
+def _skewed_cost_model():
+    """6 blocks whose parameters dominate memory, activations growing with tokens (see the test)."""
+    from lightning_pipe.planning.cost_model import CostModel, LinearCost, UnitCost
+
+    def unit(name, parameter_bytes):
+        saved = LinearCost(per_token=10.0 if parameter_bytes else 0.0)
+        return UnitCost(
+            name, LinearCost(per_token=0.1), LinearCost(per_token=0.2), saved, output_bytes_per_token=8.0,
+            parameter_bytes=parameter_bytes,
+        )
+
+    blocks = tuple(unit(f"block{i}", 1000.0) for i in range(6))
+    return CostModel((unit("pre", 0.0), *blocks, unit("post", 0.0)), latency=1e-3, bandwidth=1e6)
+
+
+def test_elastic_depth_follows_lengths_exactly(tmp_path):
+    """FMOP on a skewed trace: short batches run data parallel (1 x 4), long ones deeper, and the run
+    stays exact (SGD with momentum, accumulation over a layout change)."""
+    from lightning_pipe.callbacks import ElasticDepth
+
+    lengths = [4, 24, 24, 4, 4, 16]
+    batches = token_batches(len(lengths), batch_size=8, lengths=lengths)
+    make = lambda: TinyGPT(layers=6, optimizer="sgd").double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(num_microbatches=4, elastic_depth=True, start_method=START_METHOD)
+    depth = ElasticDepth(cost_model=_skewed_cost_model(), device_memory=7000, migration_horizon=1)
+    pipelined = fit(
+        make, batches, strategy, devices=4, steps=3, accumulate_grad_batches=2,
+        callbacks=[depth, RecordLayouts(tmp_path)],
+    )
+    reference = fit(make, reference_batches(batches, 1), steps=3, accumulate_grad_batches=2)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    files = rank_files(tmp_path)
+    widths = [tuple(json.loads(line)["widths"] or ()) for line in files[0].splitlines()]
+    short = {w for w, n in zip(widths, lengths) if n == 4}
+    long = {w for w, n in zip(widths, lengths) if n >= 16}
+    assert short == {(4,)} and all(len(w) > 1 for w in long), widths
