@@ -22,10 +22,10 @@ Used by ``strategies/regrouping.py`` (docs/repartitioning.md, section 9.7):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from datetime import timedelta
 import io
 import pickle
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch

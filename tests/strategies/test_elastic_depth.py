@@ -6,6 +6,7 @@ inside and across accumulation windows; parameters equal one device's to 1e-10 (
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import lightning as L
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from lightning_pipe import ElasticPipelineStrategy
+from lightning_pipe.callbacks import PipelineMonitor
 from tests.helpers.callbacks import RandomLayouts
 from tests.helpers.loop import rank_files
 from tests.helpers.models import TinyGPT
@@ -38,29 +40,39 @@ class RecordLayouts(L.Callback):
 def test_random_layouts_parity(tmp_path, optimizer):
     steps, accumulate = 3, 2
     batches = token_batches(steps * accumulate, batch_size=8, lengths=[9, 5, 7, 9, 6, 8])
-    make = lambda: TinyGPT(layers=6, optimizer=optimizer).double()  # noqa: E731
+    validation = token_batches(2, batch_size=6, lengths=[7, 4], seed=5)
+    make = lambda: TinyGPT(layers=6, optimizer=optimizer).double()
     strategy = ElasticPipelineStrategy(num_microbatches=4, elastic_depth=True, start_method=START_METHOD)
     proposer = RandomLayouts(LAYOUTS, seed=7 if optimizer == "adamw" else 11)
     pipelined = fit(
         make, batches, strategy, devices=4, steps=steps, accumulate_grad_batches=accumulate,
-        callbacks=[proposer, RecordLayouts(tmp_path)], log_dir=tmp_path / "pipe", gradient_clip_val=0.5,
+        callbacks=[proposer, RecordLayouts(tmp_path), PipelineMonitor(timeline_every_n_steps=0)],
+        log_dir=tmp_path / "pipe", gradient_clip_val=0.5, val_batches=validation, val_check_interval=2,
     )
     reference = fit(
         make, reference_batches(batches, 1), steps=steps, accumulate_grad_batches=accumulate, log_dir=tmp_path / "ref",
-        gradient_clip_val=0.5,
+        gradient_clip_val=0.5, val_batches=validation, val_check_interval=2,
     )
     assert_same_parameters(pipelined, reference, atol=1e-10)
+    # validation ran on whatever layout the step before left (forward-only layout programs)
+    val_losses = logged(tmp_path / "pipe", "val_loss")
+    assert len(val_losses) == 3
+    torch.testing.assert_close(val_losses, logged(tmp_path / "ref", "val_loss"))
     torch.testing.assert_close(logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "ref", "train_loss"))
     files = rank_files(tmp_path)
     rows = [[json.loads(line) for line in files[rank].splitlines()] for rank in sorted(files)]
     assert len(rows) == 4 and all(len(r) == steps * accumulate for r in rows)
     widths = [tuple(row["widths"]) for row in rows[0]]
-    assert all(a != b for a, b in zip(widths, widths[1:]))  # a new layout every step
+    assert all(a != b for a, b in itertools.pairwise(widths))  # a new layout every step
     assert any(len(set(w)) > 1 for w in widths) and any(max(w) > 1 for w in widths)
     for step in range(steps * accumulate):  # every rank ran the stage its layout gives it
         w = widths[step]
         owners = [s for s, width in enumerate(w) for _ in range(width)]
         assert [rows[rank][step]["stages"] for rank in range(4)] == [[s] for s in owners]
+    if optimizer == "adamw":  # the monitor logged every step's widths and drew the layouts over time
+        logged_widths = [json.loads(line)["widths"] for line in (tmp_path / "pipe" / "pipeline_steps.jsonl").open()]
+        assert [tuple(w) for w in logged_widths] == widths
+        assert (tmp_path / "pipe" / "pipeline_layouts.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(
@@ -121,7 +133,7 @@ def test_elastic_depth_follows_lengths_exactly(tmp_path):
 
     lengths = [4, 24, 24, 4, 4, 16]
     batches = token_batches(len(lengths), batch_size=8, lengths=lengths)
-    make = lambda: TinyGPT(layers=6, optimizer="sgd").double()  # noqa: E731
+    make = lambda: TinyGPT(layers=6, optimizer="sgd").double()
     strategy = ElasticPipelineStrategy(num_microbatches=4, elastic_depth=True, start_method=START_METHOD)
     depth = ElasticDepth(cost_model=_skewed_cost_model(), device_memory=7000, migration_horizon=1)
     pipelined = fit(
