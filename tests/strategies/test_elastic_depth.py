@@ -147,3 +147,30 @@ def test_elastic_depth_follows_lengths_exactly(tmp_path):
     short = {w for w, n in zip(widths, lengths) if n == 4}
     long = {w for w, n in zip(widths, lengths) if n >= 16}
     assert short == {(4,)} and all(len(w) > 1 for w in long), widths
+
+
+def test_sharded_checkpoint_of_replicas_resumes_exactly(tmp_path):
+    """A checkpoint written by two replicas of one stage (layout (2,), both holding every tensor)
+    loads into the next run's starting layout (2 stages) and resumes exactly, still regrouping."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers.loop import run
+
+    batches = token_batches(1, batch_size=4, lengths=[9])  # one step per epoch: checkpoints at epoch ends
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+
+    def elastic() -> ElasticPipelineStrategy:
+        return ElasticPipelineStrategy(num_microbatches=4, elastic_depth=True, start_method=START_METHOD)
+
+    saving = ModelCheckpoint(tmp_path / "saved", every_n_train_steps=1, save_top_k=-1)
+    run(make, batches, elastic(), devices=2, max_steps=1, callbacks=[RandomLayouts([(1, 1), (2,)]), saving])
+    path = tmp_path / "saved" / "epoch=0-step=1.ckpt"
+    assert path.is_dir()
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    assert meta["pipeline"]["plan"]["widths"] == [2]
+    resumed, _, _ = run(
+        make, batches, elastic(), devices=2, max_steps=3, ckpt_path=str(path),
+        callbacks=[RandomLayouts([(1, 1), (2,)])],
+    )
+    reference, _, _ = run(make, batches, max_steps=3)
+    assert_same_parameters(resumed, reference, atol=1e-10)
