@@ -14,7 +14,9 @@ steps, also inside an accumulation window. :class:`Regrouping` is what the strat
 3. **Gradients.** Loss weights normalise by the whole batch, so each replica's gradient is a
    partial sum: the optimizer step sums them over the stage's replicas.
 4. **Groups.** One group per contiguous rank range of two or more ranks (every replica set of every
-   layout of widths), created once at setup; activations travel on the world group.
+   layout of widths), created once at setup; activations travel on the world group. That is
+   ``n (n - 1) / 2`` groups for ``n`` processes: fine for the 4 to 16 processes tested and planned
+   here, too many for hundreds (then only the planner's candidate layouts' sets should be made).
 5. **Moves.** ``runtime.migration.migrate`` moves parameters and optimizer state; around it the open
    window's partial gradients are summed on one keeper and only one new holder keeps the sum.
 6. **Refusals**, before training: see :meth:`Regrouping.check_configuration` and
@@ -131,14 +133,19 @@ class Regrouping:
         """Refuse a plan with widths the running configuration cannot run.
 
         Raises:
-            ValueError: widths without elastic depth, widths that do not cover the processes, or a
-                memory plan together with widths.
+            ValueError: widths without elastic depth, with a schedule other than 1F1B, widths that
+                do not cover the processes, or a memory plan together with widths.
         """
         if plan.widths is None:
             return
         if not enabled:
             raise ValueError(
                 f"A plan with stage widths {list(plan.widths)} needs `{_NAME}` (the replica groups are created at setup)."
+            )
+        if plan.schedule.name != "1f1b":
+            raise ValueError(
+                f"A plan with stage widths {list(plan.widths)} runs heterogeneous 1F1B; its schedule is "
+                f"{plan.schedule.name!r}. Propose `schedule='1f1b'` with widths, or no widths with other schedules."
             )
         if sum(plan.widths) != world_size:
             raise ValueError(f"Plan widths {list(plan.widths)} must sum to the {world_size} processes.")

@@ -98,6 +98,8 @@ def test_refusals_of_plans_and_modules():
 
     with pytest.raises(ValueError, match="needs `ElasticPipelineStrategy\\(elastic_depth=True\\)`"):
         Regrouping.check_plan(PipelinePlan((0, 2, 4), widths=(2, 2)), 4, enabled=False)
+    with pytest.raises(ValueError, match="runs heterogeneous 1F1B; its schedule is 'gpipe'"):
+        Regrouping.check_plan(PipelinePlan((0, 2, 4), "gpipe", widths=(2, 2)), 4, enabled=True)
     with pytest.raises(ValueError, match="must sum to the 4 processes"):
         Regrouping.check_plan(PipelinePlan((0, 2, 4), widths=(2, 1)), 4, enabled=True)
     recompute = MemoryPlan(default=StageMemory(full=1))
