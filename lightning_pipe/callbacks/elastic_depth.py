@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
@@ -40,6 +40,9 @@ from lightning_pipe.planning.hbsa import DepthDecision, decide_depth
 from lightning_pipe.planning.layout import Layout
 from lightning_pipe.planning.memory_model import parse_size
 from lightning_pipe.planning.proposals import PlanProposal
+
+if TYPE_CHECKING:
+    from lightning_pipe.strategies import PipelineStrategy
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,7 @@ class ElasticDepth(L.Callback):
         self.history: list[DepthStep] = []
         self._job: LookaheadJob | None = None
         self._measured: list[float] = []
-        self._strategy: Any = None
+        self._strategy: PipelineStrategy | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check that the Trainer runs the pipeline strategy with elastic depth."""
@@ -168,7 +171,7 @@ class ElasticDepth(L.Callback):
             self._job.thread.join()
             self._job = None
 
-    def _measure(self, strategy: Any, batch_idx: int) -> None:
+    def _measure(self, strategy: PipelineStrategy, batch_idx: int) -> None:
         """Record the previous batch's reconfiguration seconds (maximum over ranks)."""
         application = getattr(strategy, "last_application", None)
         if application is None or application.batch_idx != batch_idx - 1:
@@ -177,7 +180,7 @@ class ElasticDepth(L.Callback):
         if migration is not None and migration.transfers:
             self._measured.append(strategy.costs.max_over_ranks(migration.seconds))
 
-    def _key(self, strategy: Any, batch: Any, current: Layout, in_window: bool) -> _Key:
+    def _key(self, strategy: PipelineStrategy, batch: Any, current: Layout, in_window: bool) -> _Key:
         costs = strategy.costs
         shapes = tuple(costs.shapes(costs.microbatch_lengths(batch, self.lengths_fn)))
         overhead = sum(self._measured) / len(self._measured) if self._measured else 0.0
@@ -200,7 +203,7 @@ class ElasticDepth(L.Callback):
         return decision, time.perf_counter() - started
 
 
-def _running_layout(strategy: Any) -> Layout:
+def _running_layout(strategy: PipelineStrategy) -> Layout:
     """The layout of the plan in use (one replica per stage when the plan has no widths)."""
     plan = strategy.plan
     widths = plan.widths or (1,) * plan.num_stages

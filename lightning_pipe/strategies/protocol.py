@@ -36,6 +36,8 @@ class PipelineStrategy(Protocol):
         last_migration: what the latest plan change moved (None before any).
         last_outcome: the latest step's measured outcome on this rank (None before any).
         root_device: this rank's device.
+        regrouping: the elastic-depth helper (``strategies/regrouping.py``) with
+            ``elastic_depth=True``, else None.
     """
 
     boundaries: tuple[int, ...]
@@ -45,6 +47,7 @@ class PipelineStrategy(Protocol):
     memory: StrategyMemory
     last_migration: MigrationReport | None
     last_outcome: Any
+    regrouping: Any
 
     @property
     def root_device(self) -> torch.device:
