@@ -41,6 +41,8 @@ def test_random_layouts_parity(tmp_path, optimizer):
     steps, accumulate = 3, 2
     batches = token_batches(steps * accumulate, batch_size=8, lengths=[9, 5, 7, 9, 6, 8])
     validation = token_batches(2, batch_size=6, lengths=[7, 4], seed=5)
+    if optimizer == "sgd":  # a batch of 3 samples: 3 microbatches, so a replica of a width-4 stage may run none
+        batches[1] = batches[1][:3]  # it runs on (4,) (seed 11)
     make = lambda: TinyGPT(layers=6, optimizer=optimizer).double()
     strategy = ElasticPipelineStrategy(num_microbatches=4, elastic_depth=True, start_method=START_METHOD)
     proposer = RandomLayouts(LAYOUTS, seed=7 if optimizer == "adamw" else 11)
