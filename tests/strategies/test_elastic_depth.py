@@ -49,11 +49,11 @@ def test_random_layouts_parity(tmp_path, optimizer):
     pipelined = fit(
         make, batches, strategy, devices=4, steps=steps, accumulate_grad_batches=accumulate,
         callbacks=[proposer, RecordLayouts(tmp_path), PipelineMonitor(timeline_every_n_steps=0)],
-        log_dir=tmp_path / "pipe", gradient_clip_val=0.5, val_batches=validation, val_check_interval=2,
+        log_dir=tmp_path / "pipe", gradient_clip_val=0.1, val_batches=validation, val_check_interval=2,
     )
     reference = fit(
         make, reference_batches(batches, 1), steps=steps, accumulate_grad_batches=accumulate, log_dir=tmp_path / "ref",
-        gradient_clip_val=0.5, val_batches=validation, val_check_interval=2,
+        gradient_clip_val=0.1, val_batches=validation, val_check_interval=2,
     )
     assert_same_parameters(pipelined, reference, atol=1e-10)
     # validation ran on whatever layout the step before left (forward-only layout programs)
