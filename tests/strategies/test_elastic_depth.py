@@ -36,6 +36,7 @@ class RecordLayouts(L.Callback):
             f.write(json.dumps(row) + "\n")
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_random_layouts_parity(tmp_path, optimizer):
     steps, accumulate = 3, 2
@@ -130,6 +131,7 @@ def _skewed_cost_model():
     return CostModel((unit("pre", 0.0), *blocks, unit("post", 0.0)), latency=1e-3, bandwidth=1e6)
 
 
+@pytest.mark.timeout(300)
 def test_elastic_depth_follows_lengths_exactly(tmp_path):
     """FMOP on a skewed trace: short batches run data parallel (1 x 4), long ones deeper, and the run
     stays exact (SGD with momentum, accumulation over a layout change)."""
@@ -153,6 +155,7 @@ def test_elastic_depth_follows_lengths_exactly(tmp_path):
     assert short == {(4,)} and all(len(w) > 1 for w in long), widths
 
 
+@pytest.mark.timeout(300)
 def test_sharded_checkpoint_of_replicas_resumes_exactly(tmp_path):
     """A checkpoint written by two replicas of one stage (layout (2,), both holding every tensor)
     loads into the next run's starting layout (2 stages) and resumes exactly, still regrouping."""
