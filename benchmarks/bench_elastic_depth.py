@@ -234,7 +234,7 @@ def main() -> None:
     )
     print(_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(results) + "\n")
     elastic = next((r for r in results if r.get("config") == "elastic-depth" and "error" not in r), None)
     if args.plot and elastic is not None:
         from lightning_pipe.planning.render import plot_layouts

@@ -81,9 +81,16 @@ class LayoutExecutor(PipelineExecutor):
 def sum_replica_gradients(parameters: Sequence[Tensor], group: dist.ProcessGroup, operation: str) -> None:
     """Sum the gradients of ``parameters`` over ``group`` (a stage's replicas), in place.
 
-    Parameters without a gradient get a zero one first, on every replica alike, so the flat
-    buffers line up (as ``collectives.average_gradients`` does).
+    Parameters without a gradient get a zero one for the sum, so the flat buffers line up; a
+    parameter no replica has a gradient for gets None back (as on one device, where an optimizer
+    skips a parameter without a gradient: AdamW's weight decay would otherwise move it).
     """
+    if not parameters:
+        return
+    present = torch.tensor([float(p.grad is not None) for p in parameters], dtype=torch.float64)
+    present = present.to(parameters[0].device)
+    with naming_failures(operation, group):
+        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
     grads = []
     for p in parameters:
         if p.grad is None:
@@ -100,6 +107,9 @@ def sum_replica_gradients(parameters: Sequence[Tensor], group: dist.ProcessGroup
         for grad in same:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+    for p, count in zip(parameters, present.tolist(), strict=True):
+        if count == 0:
+            p.grad = None
 
 
 def sum_moved_gradients(
@@ -137,7 +147,7 @@ def sum_moved_gradients(
         params = [parameters[name] for name in names]
         sum_replica_gradients(params, groups[holders], f"the sum of moving units' gradients over ranks {list(holders)}")
         for name, param in zip(names, params, strict=True):
-            if rank != keepers[name]:
+            if rank != keepers[name] and param.grad is not None:
                 param.grad.zero_()
     return keepers
 
