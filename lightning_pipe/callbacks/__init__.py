@@ -1,6 +1,7 @@
 """Lightning callbacks that decide plans and watch the pipeline."""
 
 from lightning_pipe.callbacks.auto_planner import AutoPlanner
+from lightning_pipe.callbacks.elastic_depth import ElasticDepth
 from lightning_pipe.callbacks.elastic_repartition import ElasticRepartition
 from lightning_pipe.callbacks.memory_planner import MemoryPlanner
 from lightning_pipe.callbacks.monitor import PipelineMonitor
@@ -11,6 +12,7 @@ from lightning_pipe.callbacks.schedule_switch import ScheduleSwitch
 # Public: callbacks users add to the Trainer.
 __all__ = [
     "AutoPlanner",
+    "ElasticDepth",
     "ElasticRepartition",
     "MemoryPlanner",
     "PipelineMonitor",

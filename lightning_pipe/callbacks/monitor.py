@@ -20,7 +20,8 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
   rest (Lightning's loop and hooks, callbacks),
 * ``pipeline/rank{r}_peak_memory_bytes``: peak memory per rank (CUDA allocator peak, or the process's
   resident-set peak on CPU),
-* ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``,
+* ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``, ``pipeline/width{k}``
+  (elastic depth: replicas of stage ``k``),
   ``pipeline/migrated_bytes`` when units moved,
 * ``pipeline/recomputed_blocks``, ``pipeline/offloaded_blocks``: block runs of the step under
   recomputation (full or keep-attention) and activation offload, summed over stages and
@@ -31,7 +32,8 @@ simulated schedules), saves the PNG in the log directory and sends it to TensorB
 ``simulated_beside`` the simulation of the same program with the step's measured compute times is
 drawn under it (the difference is communication and waiting). At the end of ``fit`` it prints a
 summary table and, when the partition changed, draws the partitions over the logged steps
-(``pipeline_partitions.png``). ``history`` keeps one row per logged step (schedule, partition),
+(``pipeline_partitions.png``) and, under elastic depth when the layout changed, the stages and
+their widths over the logged steps (``pipeline_layouts.png``). ``history`` keeps one row per logged step (schedule, partition),
 also written to ``pipeline_steps.jsonl``.
 """
 
@@ -90,6 +92,7 @@ class StepSummary:
     migrated_bytes: int = 0
     recomputed_blocks: int = 0
     offloaded_blocks: int = 0
+    widths: list[int] | None = None  # elastic depth: replicas of every stage (None: one per stage)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -284,6 +287,7 @@ class PipelineMonitor(L.Callback):
         self.timeline_dir = timeline_dir
         self.simulated_beside = simulated_beside
         self.partitions_picture: str | None = None
+        self.layouts_picture: str | None = None  # elastic depth: stages and widths over steps
         self.history: list[StepSummary] = []
         self.timelines: list[str] = []
         self._step_started = 0.0
@@ -352,6 +356,7 @@ class PipelineMonitor(L.Callback):
         metrics.update({f"pipeline/stage{s}_compute_s": t for s, t in summary.stage_compute_s.items()})
         metrics.update({f"pipeline/time/{part}_s": t for part, t in summary.time_s.items()})
         metrics.update({f"pipeline/boundary{k}": float(b) for k, b in enumerate(summary.boundaries)})
+        metrics.update({f"pipeline/width{k}": float(w) for k, w in enumerate(summary.widths or ())})
         metrics.update({f"pipeline/rank{r.pipeline_rank}_peak_memory_bytes": float(r.peak_memory_bytes) for r in reports})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
@@ -366,7 +371,8 @@ class PipelineMonitor(L.Callback):
             if e.action.type in _COMPUTE:
                 stage_compute[e.action.stage] = stage_compute.get(e.action.stage, 0.0) + e.duration
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
-        simulated = simulate_measured(events, strategy.program) if events else None
+        layout_widths = getattr(strategy.program, "widths", None)  # a LayoutProgram: the simulator has no replicas
+        simulated = simulate_measured(events, strategy.program) if events and not layout_widths else None
         recomputed, offloaded = _memory_plan_counts(strategy)
         return StepSummary(
             step=step,
@@ -381,6 +387,7 @@ class PipelineMonitor(L.Callback):
             migrated_bytes=sum(r.migrated_bytes for r in reports),
             recomputed_blocks=recomputed,
             offloaded_blocks=offloaded,
+            widths=list(layout_widths) if layout_widths else None,
         )
 
     def _directory(self, trainer: L.Trainer) -> str:
@@ -404,7 +411,7 @@ class PipelineMonitor(L.Callback):
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
         path = os.path.join(self._directory(trainer), f"pipeline_timeline_step{step}.png")
         render_png(events, path, title=f"measured step {step} (bubble {bubble:.2f})")
-        if self.simulated_beside:
+        if self.simulated_beside and not getattr(strategy.program, "widths", None):
             simulated = simulate_measured(events, strategy.program)
             beside = path.replace(".png", "_simulated.png")
             render_png(
@@ -440,6 +447,17 @@ class PipelineMonitor(L.Callback):
             )
             self.partitions_picture = path
             self._send_image(trainer, "pipeline/partitions", path, self.history[-1].step)
+        if any(r.widths for r in self.history) and len({(tuple(r.boundaries), tuple(r.widths or ())) for r in self.history}) > 1:
+            from lightning_pipe.planning.render import plot_layouts
+
+            path = os.path.join(self._directory(trainer), "pipeline_layouts.png")
+            widths = [r.widths or [1] * (len(r.boundaries) - 1) for r in self.history]
+            plot_layouts(  # one column per logged batch (with accumulation, several share a step)
+                list(range(len(self.history))), [r.boundaries for r in self.history], widths, path,
+                step_label="logged batch", title="stages and widths over the logged batches",
+            )
+            self.layouts_picture = path
+            self._send_image(trainer, "pipeline/layouts", path, self.history[-1].step)
         from rich.console import Console
         from rich.table import Table
 

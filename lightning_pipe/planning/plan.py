@@ -39,6 +39,11 @@ class PipelinePlan:
         chunks: the batch's microbatches as packed and sliced chunks (InfiniPipe's, for a strategy
             with ``packing=Packer(..., slicing=True)``); None: the packer makes its own. Chunks
             describe one batch, like sizes; ``num_microbatches`` is their count.
+        widths: data-parallel replicas of every stage (elastic depth, FlexPipe): stage ``k`` runs on
+            ``widths[k]`` ranks, taken in rank order, and splits its microbatches between them
+            (``planning/layout.py``); ``sum(widths)`` is the number of processes. None: one replica
+            per stage on every pipeline (the strategy's fixed data parallelism). Needs
+            ``ElasticPipelineStrategy(elastic_depth=True)``.
     """
 
     boundaries: tuple[int, ...]
@@ -47,6 +52,7 @@ class PipelinePlan:
     memory: MemoryPlan | None = field(default=None, hash=False)
     microbatch_sizes: tuple[int, ...] | None = None
     chunks: PlannedChunks | None = None
+    widths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
@@ -76,6 +82,14 @@ class PipelinePlan:
                     f"`num_microbatches={self.chunks.num_microbatches}` and no `microbatch_sizes` (got {count}, "
                     f"{self.microbatch_sizes})."
                 )
+        if self.widths is not None:
+            widths = tuple(int(w) for w in self.widths)
+            if len(widths) != len(self.boundaries) - 1 or min(widths, default=0) < 1:
+                raise ValueError(
+                    f"`PipelinePlan.widths` {list(widths)} must give every one of the {len(self.boundaries) - 1} stages "
+                    "of `boundaries` a width >= 1."
+                )
+            object.__setattr__(self, "widths", widths)
 
     @property
     def num_stages(self) -> int:
@@ -95,6 +109,7 @@ class PipelinePlan:
             "microbatch_sizes": None if self.microbatch_sizes is None else list(self.microbatch_sizes),
             "chunk_groups": None if self.chunks is None else list(self.chunks.slices),
             "memory": {} if self.memory is None else self.memory.to_dict(),
+            "widths": None if self.widths is None else list(self.widths),
         }
 
 

@@ -18,6 +18,9 @@ The merge rule (deterministic, independent of the order proposals arrive in):
    describe one batch, so without a proposal the batch is split evenly (or packed by the packer); boundaries that do not have the stage
    count of the chosen family (``num_ranks * stages_per_rank``) are not used (a proposal's are
    dropped with a reason; the running ones are replaced by ``default_boundaries(num_stages)``).
+   The partition part carries the stages' widths (elastic depth): a proposal with ``widths`` fits
+   when they sum to ``num_ranks`` and the family has one stage per rank; one without them means one
+   replica per stage; the running widths stay while nobody proposes a partition.
 4. The memory part may be a function of the draft plan (parts 1 to 3 resolved): the memory
    planner plans for the partition, family and microbatches that will actually run. Only the
    winning function is called.
@@ -51,6 +54,8 @@ class PlanProposal:
     Attributes:
         source: who proposes (the callback's name); decides ties at equal priority.
         boundaries: stage boundaries over blocks.
+        widths: data-parallel replicas of every stage (elastic depth, with ``boundaries``); None:
+            one per stage.
         schedule: schedule family (a name or spec is resolved to a :class:`Schedule`).
         num_microbatches: microbatches per batch (``len(microbatch_sizes)`` when sizes are given).
         microbatch_sizes: samples of each microbatch of the coming batch.
@@ -69,12 +74,19 @@ class PlanProposal:
     memory: MemoryProposal | None = None
     priority: int = 0
     chunks: PlannedChunks | None = None
+    widths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"`PlanProposal.source` must be a non-empty name, got {self.source!r}.")
         if self.boundaries is not None:
             object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
+        if self.widths is not None:
+            if self.boundaries is None or len(self.widths) != len(self.boundaries) - 1:
+                raise ValueError(
+                    f"`PlanProposal({self.source!r})`: widths {list(self.widths)} need `boundaries` with one stage per width."
+                )
+            object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         if self.schedule is not None and not isinstance(self.schedule, Schedule):
             object.__setattr__(self, "schedule", resolve_schedule(self.schedule))
         if self.microbatch_sizes is not None:
@@ -124,7 +136,7 @@ class PlanProposal:
         return {
             "microbatching": (self.num_microbatches, self.microbatch_sizes, self.chunks),
             "schedule": self.schedule,
-            "partition": self.boundaries,
+            "partition": self.boundaries if self.widths is None else (self.boundaries, self.widths),
             "memory": self.memory,
         }[part]
 
@@ -199,19 +211,26 @@ def merge_proposals(
 
     def fits(p: PlanProposal) -> str | None:
         stages = len(p.boundaries) - 1
+        if p.widths is not None:
+            if sum(p.widths) != num_ranks or schedule.stages_per_rank != 1:
+                return f"widths {list(p.widths)} on {num_ranks} ranks with schedule {schedule.name!r}"
+            return None
         if stages != num_stages:
             return f"{stages} stages, but schedule {schedule.name!r} on {num_ranks} ranks has {num_stages}"
         return None
 
     part = contest("partition", fits)
+    widths = None
     if part is not None:
-        boundaries = part.boundaries
+        boundaries, widths = part.boundaries, part.widths
+    elif current.widths is not None and schedule.stages_per_rank == 1:
+        boundaries, widths = current.boundaries, current.widths
     elif len(current.boundaries) - 1 == num_stages:
         boundaries = current.boundaries
     else:
         boundaries = tuple(default_boundaries(num_stages))
 
-    draft = PipelinePlan(boundaries, schedule, count, current.memory, sizes, chunks)
+    draft = PipelinePlan(boundaries, schedule, count, current.memory, sizes, chunks, widths)
     mem = contest("memory")
     if mem is not None:
         memory = mem.memory(replace(draft, memory=None)) if callable(mem.memory) else mem.memory

@@ -204,10 +204,10 @@ class PipelineExecutor:
             self._backward_weight(stage, mb)
         elif kind is ActionType.SEND_F:
             outputs = self._slot(action).result.outputs
-            self.p2p.send(outputs, self._peer(stage + 1), ACTIVATION, stage, mb, describe=self._work.describe_shapes)
+            self.p2p.send(outputs, self._peer(stage + 1, mb), ACTIVATION, stage, mb, describe=self._work.describe_shapes)
             self._prefetch_gradients(stage, mb, outputs)
         elif kind is ActionType.SEND_B:
-            self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1), GRADIENT, stage, mb)
+            self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1, mb), GRADIENT, stage, mb)
         elif kind in (ActionType.RECV_F, ActionType.RECV_B):
             return  # nothing to do here: the tensor is received where it is consumed (module docstring)
         else:
@@ -254,7 +254,7 @@ class PipelineExecutor:
         if not self.p2p.matches_by_tag or self._work.loss_scales is None:
             return
         shapes = [(t.shape, t.dtype) for t in outputs if is_float(t)]
-        self._prefetched[(stage, mb)] = self.p2p.post_receive(shapes, self._peer(stage + 1), GRADIENT, stage + 1, mb, self.device)
+        self._prefetched[(stage, mb)] = self.p2p.post_receive(shapes, self._peer(stage + 1, mb), GRADIENT, stage + 1, mb, self.device)
 
     def _prefetch_activations(self, work: StepWork) -> bool:
         """Whether activations are received early: when the microbatches of the step share their
@@ -263,12 +263,11 @@ class PipelineExecutor:
         return work.same_shapes and not work.describe_shapes and not self.p2p.send_dtypes and self.p2p.matches_by_tag
 
     def _next_forwards(self, program: Program) -> dict[tuple[int, int], int]:
-        """``(stage, microbatch) -> the microbatch of the stage's next forward`` on this rank, for
-        stages whose input comes from another rank."""
+        """``(stage, microbatch) -> the microbatch of the stage's next forward`` on this rank."""
         following, last = {}, {}
         for action in program.actions[self.pipeline_rank]:
             stage = action.stage
-            if action.type is not ActionType.FORWARD or stage == 0 or program.rank_of(stage - 1) == self.pipeline_rank:
+            if action.type is not ActionType.FORWARD or stage == 0:
                 continue
             if stage in last:
                 following[(stage, last[stage])] = action.microbatch
@@ -292,14 +291,15 @@ class PipelineExecutor:
                 local = pending.wait()
             else:
                 local = self.p2p.receive(
-                    shapes, self._peer(stage - 1), ACTIVATION, stage - 1, mb, self.device, describe=self._work.describe_shapes
+                    shapes, self._peer(stage - 1, mb), ACTIVATION, stage - 1, mb, self.device, describe=self._work.describe_shapes
                 )
             self._waited += time.perf_counter() - started
             self._arrival = self.p2p.last_arrival
             following = self._next_forward.get((stage, mb))
-            if following is not None:
+            me = self.pipeline_ranks[self.pipeline_rank]
+            if following is not None and self._peer(stage - 1, following) != me:
                 self._prefetched_activations[(stage, following)] = self.p2p.post_receive(
-                    [(t.shape, t.dtype) for t in local], self._peer(stage - 1), ACTIVATION, stage - 1, following, self.device
+                    [(t.shape, t.dtype) for t in local], self._peer(stage - 1, following), ACTIVATION, stage - 1, following, self.device
                 )
         received = []
         for meta, tensor in zip(metas, local, strict=True):
@@ -333,7 +333,7 @@ class PipelineExecutor:
                 if pending is not None:
                     grads = pending.wait()
                 else:
-                    grads = self.p2p.receive(shapes, self._peer(stage + 1), GRADIENT, stage + 1, mb, self.device)
+                    grads = self.p2p.receive(shapes, self._peer(stage + 1, mb), GRADIENT, stage + 1, mb, self.device)
                 self._waited += time.perf_counter() - started
                 self._arrival = self.p2p.last_arrival
             slot.output_grads = list(grads)
@@ -378,7 +378,9 @@ class PipelineExecutor:
             raise RuntimeError(f"Rank {self.pipeline_rank}: {action} has nothing to send (order of the program?).")
         return slot
 
-    def _peer(self, stage: int) -> int:
+    def _peer(self, stage: int, microbatch: int) -> int:
+        """Global rank that runs ``stage`` for ``microbatch`` (the stage's rank here; a subclass may
+        route microbatches to replicas)."""
         return self.pipeline_ranks[self._program.rank_of(stage)]
 
 

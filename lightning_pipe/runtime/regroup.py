@@ -1,53 +1,40 @@
-"""Live regrouping building blocks: rank groups for every layout, and moving units between layouts.
+"""Live regrouping on real processes: rank groups for every layout, executing heterogeneous programs,
+summing gradients over a stage's replicas, and keeping an open accumulation window exact when units move.
 
-Not wired into the strategy yet (docs/repartitioning.md, section 9.7): these functions work on
-plain per-unit tensors so that the exchange itself (the part that must be exact) is tested on real
-gloo processes before the executor learns heterogeneous programs.
+Used by ``strategies/regrouping.py`` (docs/repartitioning.md, section 9.7):
 
 - :func:`create_rank_groups`: every all-reduce rank set the planner may need, created once, up
   front, in one order on every rank (creating a group is a collective).
-- :func:`regroup_units`: execute a regroup plan (``planning.regroup.plan_regroup``'s moves, passed
-  as plain objects: this layer does not import ``planning``) on this rank: partial gradients of an
-  open accumulation window are summed on the source in rank order, then parameters, optimizer state
-  and the summed gradient go to each new holder; only the gradient keeper keeps the sum, the other
-  holders start from zero, and ranks that no longer hold a unit drop it.
+- :class:`LayoutExecutor`: the executor for ``schedules.layout_program.LayoutProgram``: a stage
+  of width ``w`` receives microbatch ``m`` on replica ``m % w``, so a transfer's peer depends on
+  the microbatch.
+- :func:`sum_replica_gradients`: at the optimizer step, each stage's replicas sum their partial
+  gradients (each replica ran its share of the microbatches with weights normalised by the whole
+  batch, so the sum, not the mean, is the batch's gradient, also with unequal shares).
+- :func:`sum_moved_gradients` and :func:`keep_moved_gradients`, around ``runtime.migration.migrate``:
+  before units move, the old replicas' partial gradients of every unit whose holders change are
+  summed on one keeper (the lowest holder that stays, else the lowest old holder, which is
+  migration's source); after the move only one new holder keeps the sum, the others start the rest
+  of the window from zero. The sum over a unit's holders (what the step all-reduces) is unchanged.
+- :func:`merge_replica_outcomes`: a last stage of width ``w`` has each microbatch's loss on the
+  replica that ran it; they are gathered on the stage's first device, which reports the step.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-class UnitMoveLike(Protocol):
-    """What :func:`regroup_units` reads of a move (``planning.regroup.UnitMove``)."""
-
-    unit: int
-    source: int
-    destinations: tuple[int, ...]
-    gradient_sum: tuple[int, ...]
-    gradient_keeper: int
-
-
-@dataclass
-class UnitTensors:
-    """One unit's tensors on one rank.
-
-    Attributes:
-        parameters: by name.
-        gradients: by name (the open window's partial sums; absent names count as zero).
-        optimizer_state: by parameter name, the optimizer's per-parameter state.
-    """
-
-    parameters: dict[str, Tensor]
-    gradients: dict[str, Tensor] = field(default_factory=dict)
-    optimizer_state: dict[str, dict] = field(default_factory=dict)
+from lightning_pipe.runtime.collectives import gather_objects
+from lightning_pipe.runtime.executor import PipelineExecutor, StepOutcome
+from lightning_pipe.runtime.failures import naming_failures
 
 
 def create_rank_groups(
@@ -69,74 +56,168 @@ def create_rank_groups(
     return groups
 
 
-def _copy(value: object) -> object:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
+class LayoutExecutor(PipelineExecutor):
+    """A :class:`PipelineExecutor` whose peers depend on the microbatch (heterogeneous programs).
+
+    Every transfer of an action concerns the action's own microbatch (``SEND_F``/``SEND_B`` send it,
+    ``F``/``B`` receive for it), so the peer is the program's ``rank_for(stage, microbatch)`` when the
+    program has one (``LayoutProgram``) and the stage's rank otherwise. ``pipeline_ranks`` maps the
+    program's devices to global ranks.
+    """
+
+    def _peer(self, stage: int, microbatch: int) -> int:
+        route = getattr(self._program, "rank_for", None)
+        if route is None:
+            return super()._peer(stage, microbatch)
+        return self.pipeline_ranks[route(stage, microbatch)]
+
+
+def sum_replica_gradients(parameters: Sequence[Tensor], group: dist.ProcessGroup, operation: str) -> None:
+    """Sum the gradients of ``parameters`` over ``group`` (a stage's replicas), in place.
+
+    Parameters without a gradient get a zero one for the sum, so the flat buffers line up; a
+    parameter no replica has a gradient for gets None back (as on one device, where an optimizer
+    skips a parameter without a gradient: AdamW's weight decay would otherwise move it).
+    """
+    if not parameters:
+        return
+    present = torch.tensor([float(p.grad is not None) for p in parameters], dtype=torch.float64)
+    present = present.to(parameters[0].device)
+    with naming_failures(operation, group):
+        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
+    grads = []
+    for p in parameters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        with naming_failures(operation, group):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for grad in same:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    for p, count in zip(parameters, present.tolist(), strict=True):
+        if count == 0:
+            p.grad = None
+
+
+def sum_moved_gradients(
+    parameters: Mapping[str, Tensor],
+    old_holders: Mapping[str, frozenset[int]],
+    new_holders: Mapping[str, frozenset[int]],
+    rank: int,
+    groups: Mapping[tuple[int, ...], dist.ProcessGroup],
+) -> dict[str, int]:
+    """Before a move: sum every moving parameter's partial gradients on its keeper.
+
+    Args:
+        parameters: this rank's real parameters by name.
+        old_holders: ranks holding each tensor now (``runtime.migration.holders_of``).
+        new_holders: ranks holding it after the move.
+        rank: this rank (global; holders are global ranks).
+        groups: the replica groups by rank tuple (:func:`create_rank_groups`).
+
+    Returns:
+        For every tensor whose holders change, the old holder that now has the whole sum (the
+        lowest holder that stays, else the lowest old holder); the other old holders hold zero.
+    """
+    keepers: dict[str, int] = {}
+    mine: dict[tuple[int, ...], list[str]] = {}
+    for name in sorted(old_holders):
+        was, will = old_holders[name], new_holders.get(name, old_holders[name])
+        if was == will or not was:
+            continue
+        staying = sorted(was & will)
+        keepers[name] = staying[0] if staying else min(was)
+        param = parameters.get(name)
+        if rank in was and len(was) > 1 and param is not None and param.requires_grad:
+            mine.setdefault(tuple(sorted(was)), []).append(name)
+    for holders, names in sorted(mine.items()):
+        params = [parameters[name] for name in names]
+        sum_replica_gradients(params, groups[holders], f"the sum of moving units' gradients over ranks {list(holders)}")
+        for name, param in zip(names, params, strict=True):
+            if rank != keepers[name] and param.grad is not None:
+                param.grad.zero_()
+    return keepers
+
+
+def keep_moved_gradients(
+    parameters: Mapping[str, Tensor],
+    new_holders: Mapping[str, frozenset[int]],
+    keepers: Mapping[str, int],
+    rank: int,
+) -> None:
+    """After the move: of every moved tensor's new holders, only one keeps the summed gradient.
+
+    The keeper of :func:`sum_moved_gradients` if it stays a holder; else the lowest new holder (a
+    destination that received the sum from migration's source, the lowest old holder).
+    """
+    for name, keeper in keepers.items():
+        will = new_holders.get(name, frozenset())
+        if rank not in will:
+            continue
+        final = keeper if keeper in will else min(will)
+        param = parameters.get(name)
+        if rank != final and param is not None and param.grad is not None:
+            param.grad.zero_()
+
+
+class _DetachingPickler(pickle.Pickler):
+    """Pickles tensors that require gradients as detached copies (a loss logged with its graph)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Tensor) and obj.requires_grad:
+            return _same, (obj.detach(),)
+        return NotImplemented
+
+
+def _same(value: Any) -> Any:
     return value
 
 
-def regroup_units(
-    units: dict[int, UnitTensors],
-    moves: Sequence[UnitMoveLike],
-    new_holders: Mapping[int, Sequence[int]],
-    rank: int,
-    group: dist.ProcessGroup | None = None,
-) -> dict[int, UnitTensors]:
-    """Execute ``moves`` on this rank; returns the units this rank holds afterwards.
+def _pickled(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _DetachingPickler(buffer).dump(obj)
+    return buffer.getvalue()
 
-    Every rank walks the same moves in the same order, and within a move the same message order
-    (gradient partials to the source in rank order, then the source to each destination in order),
-    so blocking sends and receives pair up without deadlock.
 
-    Args:
-        units: the units this rank holds now.
-        moves: the plan's moves, identical on every rank.
-        new_holders: for every moved unit, the ranks holding it afterwards.
-        rank: this rank (global).
-        group: the group the messages go through (None: the world).
+def merge_replica_outcomes(outcome: StepOutcome, group: dist.ProcessGroup, first: int, rank: int) -> StepOutcome:
+    """Gather the last stage's per-microbatch results of every replica on ``first`` (a collective of ``group``).
+
+    ``outcome`` is this replica's; on ``first`` the returned outcome holds every microbatch's loss,
+    step output, logs, loss record and loss weight (the logged values' tracing is kept: a record's
+    ``logged`` keys are re-made for the received values). Other replicas return theirs unchanged.
     """
-    result = dict(units)
-    for move in moves:
-        unit = move.unit
-        # 1. partial gradients of the old replicas, summed on the source in rank order
-        if rank == move.source:
-            total = {name: grad.detach().clone() for name, grad in units[unit].gradients.items()}
-            for other in move.gradient_sum:
-                if other == rank:
-                    continue
-                box: list = [None]
-                dist.recv_object_list(box, src=other, group=group)
-                for name, grad in box[0].items():
-                    total[name] = total[name] + grad if name in total else grad.clone()
-        elif rank in move.gradient_sum:
-            dist.send_object_list([units[unit].gradients], dst=move.source, group=group)
-        # 2. parameters, optimizer state and the summed gradient to every new holder
-        if rank == move.source:
-            payload = {
-                "parameters": _copy(units[unit].parameters),
-                "optimizer_state": _copy(units[unit].optimizer_state),
-                "gradients": total,
-            }
-            for destination in move.destinations:
-                dist.send_object_list([payload], dst=destination, group=group)
-        elif rank in move.destinations:
-            box = [None]
-            dist.recv_object_list(box, src=move.source, group=group)
-            payload = box[0]
-        # 3. who keeps what
-        holders = set(new_holders[unit])
-        if rank not in holders:
-            result.pop(unit, None)
-            continue
-        if rank == move.source:
-            base = units[unit]
-            result[unit] = UnitTensors(base.parameters, total, base.optimizer_state)
-        elif rank in move.destinations:
-            result[unit] = UnitTensors(payload["parameters"], payload["gradients"], payload["optimizer_state"])
-        else:  # an old holder that stays: its partial went into the sum
-            result[unit] = UnitTensors(units[unit].parameters, dict(units[unit].gradients), units[unit].optimizer_state)
-        if rank != move.gradient_keeper:  # the keeper is the source or a destination: it has the sum
-            result[unit].gradients = {name: torch.zeros_like(grad) for name, grad in result[unit].gradients.items()}
-    return result
+    entries = {}
+    for mb in outcome.logs:
+        record = outcome.loss_records.get(mb)
+        positions = {}
+        if record is not None:
+            ids = {id(call.value): i for i, call in enumerate(outcome.logs[mb])}
+            positions = {ids[key]: traced for key, traced in record.logged.items() if key in ids}
+        entries[mb] = (
+            outcome.losses.get(mb), outcome.step_outputs.get(mb), outcome.logs[mb], record, positions,
+            outcome.loss_weights.get(mb),
+        )
+    gathered = gather_objects(_pickled(entries), first, group)
+    if rank != first:
+        return outcome
+    for data in gathered:
+        for mb, (loss, step_output, logs, record, positions, weight) in pickle.loads(data).items():
+            if mb in outcome.logs:
+                continue  # this replica's own
+            if loss is not None:
+                outcome.losses[mb] = loss
+            outcome.step_outputs[mb] = step_output
+            outcome.logs[mb] = logs
+            if record is not None:
+                record.logged = {id(logs[i].value): traced for i, traced in positions.items()}
+                outcome.loss_records[mb] = record
+            if weight is not None:
+                outcome.loss_weights[mb] = weight
+    return outcome

@@ -27,6 +27,7 @@ from .instructions import (
     unregister_instruction,
 )
 from .ir import Action, ActionType, B, F, I, Program, W
+from .layout_program import LayoutProgram, layout_1f1b
 from .lowering import build_program, forward_only, insert_communication, place_stages
 from .registry import Schedule, available_schedules, register_schedule, unregister_schedule
 from .resolve import resolve_schedule
@@ -52,6 +53,8 @@ __all__ = [
     "unregister_schedule",
     "available_schedules",
     "forward_only",
+    "LayoutProgram",
+    "layout_1f1b",
     "build_program",
     "insert_communication",
     "place_stages",

@@ -12,6 +12,8 @@ never adds a wait: the peer issued it before the needed one.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -269,13 +271,12 @@ def forward_only(program: Program) -> Program:
         program: a training program.
 
     Returns:
-        A program named ``"<name>/forward_only"`` with the same placement.
+        A program named ``"<name>/forward_only"`` with the same placement (and the same class:
+        a heterogeneous ``LayoutProgram`` keeps its widths).
     """
-    return Program(
+    return dataclasses.replace(
+        program,
         name=f"{program.name}/forward_only",
-        num_stages=program.num_stages,
-        num_microbatches=program.num_microbatches,
-        stage_to_rank=program.stage_to_rank,
         actions=tuple(tuple(a for a in rank if a.type in _FORWARD_KINDS) for rank in program.actions),
     )
 

@@ -93,6 +93,8 @@ from lightning_pipe.strategies.partitioning import check_budget_holds_stages, in
 from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.optimizer_checks import check_optimizers
+from lightning_pipe.strategies.regrouping import Regrouping
+from lightning_pipe.runtime.regroup import LayoutExecutor
 from lightning_pipe.strategies.precision import install_global_norm_clipping
 
 log = logging.getLogger(__name__)
@@ -179,6 +181,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
             tokens); a :class:`~lightning_pipe.runtime.packing.Packer` for a token budget. The first
             batch that packs two sequences is checked (first stage, packed against unpacked) and a
             model whose result packing would change is refused. Needs a token-averaged loss.
+        elastic_depth: let plans change the number of stages and give stages data-parallel widths
+            (``PipelinePlan.widths``, FlexPipe) between any two optimizer steps: all processes form one
+            pipeline of layouts such as 4 x 1, 2 x 2, 1 x 4 or (2, 1, 1), every rank reads the global
+            batch, and parameters, open gradients and optimizer state move between layouts
+            (``strategies/regrouping.py``). Proposed by ``ElasticDepth`` or any ``PlanProposal`` with
+            widths. 1F1B only; no memory plans, packing, optimizer offload or padding trimming.
     """
 
     strategy_name = "elastic_pipe"
@@ -207,6 +215,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         packing: bool | Packer = False,
+        elastic_depth: bool = False,
     ) -> None:
         super().__init__()
         check_loss_weights(loss_weights)
@@ -244,6 +253,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._pipeline_parallel_size = pipeline_parallel_size
         self._num_microbatches = num_microbatches
         self.schedule: Schedule = resolve_schedule(schedule)
+        self.regrouping = _regrouping(elastic_depth, locals())
         self._blocks = blocks
         self._partition_spec = partition
         self._process_group_backend = process_group_backend
@@ -274,7 +284,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._batch_dim = batch_dim
         self.loss_weights = loss_weights
         self._allow_sample_mixing = allow_sample_mixing
-        self._trim_padding = trim_padding
+        self._trim_padding = trim_padding and not elastic_depth
         self._group_by_length = group_by_length
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._shapes_vary = False  # see _lengths_vary
@@ -391,6 +401,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.set_world_ranks()
         compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         self.groups = create_process_groups(self.layout, timeout=self._timeout)
+        if self.regrouping is not None:
+            self.regrouping.create_groups(self.world_size, self._timeout)
         self.sharded_checkpoints.group = create_checkpoint_group(self._timeout)
         self.sharded_checkpoints.global_rank = self.global_rank
 
@@ -484,7 +496,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         shard_module(module, self.unit_layout, owned, self.root_device)
         self.runner = StageRunner(module, stack, device=self.root_device)
         self._observed = {}  # step name -> StepObservation (units by use; see _observe)
-        self.executor = PipelineExecutor(
+        self.executor = (PipelineExecutor if self.regrouping is None else LayoutExecutor)(
             self.runner,
             # autocast does not apply on the meta device: activations carry their real dtypes
             PointToPoint(
@@ -537,7 +549,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         """Make ``plan`` the current one: schedule, program, stage spans (no tensors move here)."""
         schedule = resolve_schedule(plan.schedule)
         num_blocks = self.unit_layout.num_blocks
-        num_stages = self.pipeline_parallel_size * schedule.stages_per_rank
+        Regrouping.check_plan(plan, self.world_size, self.regrouping is not None)
+        num_stages = len(plan.widths) if plan.widths else self.pipeline_parallel_size * schedule.stages_per_rank
         boundaries = check_boundaries(plan.boundaries, num_blocks, num_stages)
         program = self.program_for_plan(plan)
         if getattr(self, "program", None) is not program:
@@ -595,10 +608,13 @@ class ElasticPipelineStrategy(ParallelStrategy):
         return PipelinePlan(
             self.boundaries, self.schedule, self.num_microbatches, memory=self.memory.plan,
             microbatch_sizes=self._microbatch_sizes, chunks=self._planned_chunks,
+            widths=getattr(self.program, "widths", None),
         )
 
     def program_for_plan(self, plan: PipelinePlan) -> Program:
         """The validated training program of ``plan``'s family and microbatch count (built once per pair)."""
+        if plan.widths is not None:
+            return self.regrouping.program(plan.widths, plan.num_microbatches)
         schedule = resolve_schedule(plan.schedule)
         key = (schedule, self.pipeline_parallel_size, plan.num_microbatches)
         program = self._programs.get(key)
@@ -660,10 +676,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if shared_moves and self.pipeline_parallel_size > 1:
             self._sum_shared_gradients()
         keep = layout.needed_names(owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank)))
+        keepers = self.regrouping and self.regrouping.gather_gradients(
+            self.lightning_module, old_holders, new_holders, self.global_rank
+        )
         report = migrate(
             self.lightning_module, transfers, keep, self.layout.pipeline_rank, self.layout.pipeline_ranks(),
             self.groups.pipeline, self.optimizers, self.root_device,
         )
+        if keepers:
+            self.regrouping.keep_gradients(self.lightning_module, new_holders, keepers, self.global_rank)
         self.unit_layout = layout
         self.runner.parameters_changed()
         self._shared = self._shared_parameters()
@@ -715,6 +736,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             log.info("rank %d: units by use in `%s` differ from declaration; moving tensors", self.global_rank, step_name)
             report = self._move(layout, holders_of(self.unit_layout, self._unit_owners()))
             self.last_migration = report
+        if self.regrouping is not None:
+            self.regrouping.check_module(bool(self.metric_states), self._shared)
 
     @override
     def model_to_device(self) -> None:
@@ -817,6 +840,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     def _program_for(self, num_microbatches: int, train: bool) -> Program:
         """The program for this step: the plan's, or one for a short batch's fewer microbatches."""
+        if num_microbatches != self.num_microbatches and getattr(self.program, "widths", None):
+            program = self.regrouping.program(self.program.widths, num_microbatches)
+            return program if train else forward_only(program)
         if num_microbatches != self.num_microbatches:
             program = self._short_programs.get(num_microbatches)
             if program is None:
@@ -972,6 +998,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             program_started = time.perf_counter()
             outcome = self.executor.run(program, self.spans, work)
             self.step_clock.add("prepare", program_started - run_started)
+        if self.regrouping is not None:
+            outcome = self.regrouping.merge_outcome(outcome, program, self.global_rank)
         self.last_outcome = outcome
         with self.step_clock.measure("share_outcome"):
             return self._share_outcome(outcome, plan, weights, train, deferred)
@@ -1166,6 +1194,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size,
             operation=f"the gradient average of stages {list(self.spans)} over data-parallel replicas",
         )
+        if self.regrouping is not None:
+            self.regrouping.sum_gradients(self._owned_parameters(optimizer), self.program, self.global_rank)
 
     def _global_gradient_norm(self, grads: list[Tensor]) -> Tensor:
         counted_twice = {  # a shared parameter's gradient counts once, on its lowest holder
@@ -1173,6 +1203,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         }
         squares = [g.double().pow(2).sum() for g in grads if id(g) not in counted_twice]
         local = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=self.root_device)
+        if self.regrouping is not None:
+            local = self.regrouping.norm_share(local, self.program, self.global_rank)
         return collectives.global_norm(local, self.groups.pipeline)
 
     # --- collectives Lightning asks for ---------------------------------------------------------
@@ -1305,6 +1337,19 @@ class ElasticPipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "elastic_pipe", cls, description="Pipeline parallelism for unchanged LightningModules (lightning-pipe)"
         )
+
+
+def _regrouping(enabled: bool, arguments: dict[str, Any]) -> Regrouping | None:
+    """``elastic_depth=True``: check the other arguments and return the regrouping helper."""
+    if not enabled:
+        return None
+    memory = {k: arguments[k] for k in ("memory_budget", "recompute", "offload", "mlp_chunk_size")}
+    Regrouping.check_configuration(
+        pipeline_parallel_size=arguments["pipeline_parallel_size"], schedule=arguments["self"].schedule,
+        optimizer_offload=arguments["optimizer_offload"], packing=bool(arguments["packing"]),
+        ranks_per_device=arguments["ranks_per_device"], memory_settings=memory,
+    )
+    return Regrouping()
 
 
 def _marked(call: Any, metric_states: MetricStates) -> Any:

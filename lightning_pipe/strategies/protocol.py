@@ -39,6 +39,8 @@ class PipelineStrategy(Protocol):
         step_clock: the current step's parts outside the program (planning, preparing the
             microbatches, sharing the loss and logs, gradient synchronization, the optimizer).
         root_device: this rank's device.
+        regrouping: the elastic-depth helper (``strategies/regrouping.py``) with
+            ``elastic_depth=True``, else None.
     """
 
     boundaries: tuple[int, ...]
@@ -49,6 +51,7 @@ class PipelineStrategy(Protocol):
     last_migration: MigrationReport | None
     last_outcome: Any
     step_clock: StepClock
+    regrouping: Any
 
     @property
     def root_device(self) -> torch.device:

@@ -30,7 +30,8 @@ REGENERATED = {
     ],
     "docs/img/joint_planner.png": ["benchmarks/simulated_joint.py", "--quick", "--plot", "{out}"],
 }
-DRAWN_ELSEWHERE = {"docs/img/measured_1f1b_step.png"}
+# drawn by real runs (benchmarks/bench_elastic_depth.py --plot takes minutes on 4 processes)
+DRAWN_ELSEWHERE = {"docs/img/measured_1f1b_step.png", "docs/img/elastic_depth_real.png"}
 
 
 def _embedded() -> set[str]:

@@ -138,3 +138,25 @@ def _builds(schedule, ranks: int, count: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+class RandomLayouts(L.Callback):
+    """Before every batch, propose a random layout of stages and widths (elastic depth): the widths
+    drawn from ``layouts`` (never the running one twice in a row) and random boundaries. Every rank
+    draws the same (seeded by the batch index). ``widths`` keeps what was proposed."""
+
+    def __init__(self, layouts: list[tuple[int, ...]], seed: int = 0) -> None:
+        self.layouts = layouts
+        self.seed = seed
+        self.widths: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_pipe.planning.proposals import PlanProposal
+
+        strategy = trainer.strategy
+        rng = random.Random(self.seed * 1000 + batch_idx)
+        running = strategy.plan.widths or (1,) * strategy.plan.num_stages
+        widths = rng.choice([w for w in self.layouts if w != running])
+        boundaries = random_partition(strategy.unit_layout.num_blocks, len(widths), rng.randrange(2**31))
+        self.widths.append(widths)
+        strategy.propose(PlanProposal("RandomLayouts", boundaries=boundaries, widths=widths))

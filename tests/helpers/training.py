@@ -81,9 +81,11 @@ def fit(
     log_dir: Path | None = None,
     precision: str = "64-true",
     accelerator: str = "cpu",
+    val_batches: list | None = None,
     **trainer_kwargs: Any,
 ) -> L.LightningModule:
-    """Seed, build, and fit; returns the trained module (whole, in this process)."""
+    """Seed, build, and fit; returns the trained module (whole, in this process). ``val_batches``:
+    a validation loader of these batches (validation runs when ``trainer_kwargs`` say)."""
     L.seed_everything(SEED, verbose=False)
     model = make_model()
     trainer = L.Trainer(
@@ -100,7 +102,8 @@ def fit(
         log_every_n_steps=1,
         **trainer_kwargs,
     )
-    trainer.fit(model, DataLoader(BatchDataset(batches), batch_size=None))
+    val = None if val_batches is None else DataLoader(BatchDataset(val_batches), batch_size=None)
+    trainer.fit(model, DataLoader(BatchDataset(batches), batch_size=None), val)
     return model
 
 

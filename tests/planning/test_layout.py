@@ -104,3 +104,14 @@ def test_a_wider_stage_holds_fewer_activations(rng: np.random.Generator) -> None
     wide = simulate_layout(model, microbatches, Layout((0, 4, 8), (2, 2)))
     assert wide.peak_memory[0] <= narrow.peak_memory[0]
     assert wide.step_seconds < narrow.step_seconds
+
+
+def test_plot_layouts_draws_stages_and_widths(tmp_path):
+    from lightning_pipe.planning.render import plot_layouts
+
+    path = plot_layouts([0, 1, 2], [(0, 6), (0, 3, 6), (0, 2, 4, 6)], [(4,), (2, 2), (2, 1, 1)], tmp_path / "l.png")
+    assert path.stat().st_size > 0
+    with pytest.raises(ValueError, match="one width per stage"):
+        plot_layouts([0], [(0, 3, 6)], [(4,)], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="one layout per step"):
+        plot_layouts([0, 1], [(0, 6)], [(4,)], tmp_path / "bad.png")

@@ -104,3 +104,21 @@ def test_proposal_checks():
         PlanProposal("x", memory={"default": {}})
     with pytest.raises(ValueError, match="non-empty name"):
         PlanProposal("")
+
+
+def test_widths_travel_with_the_partition():
+    """Elastic depth: a partition proposal may give stage widths; they stay until a partition without them wins."""
+    grow = PlanProposal("depth", boundaries=(0, 8), widths=(2,))
+    merged = merge_proposals(_current(), [grow], RANKS, _default)
+    assert (merged.plan.boundaries, merged.plan.widths) == ((0, 8), (2,)) and merged.winners == {"partition": "depth"}
+    kept = merge_proposals(merged.plan, [PlanProposal("m", num_microbatches=6)], RANKS, _default).plan
+    assert (kept.boundaries, kept.widths, kept.num_microbatches) == ((0, 8), (2,), 6)
+    back = merge_proposals(merged.plan, [PlanProposal("r", boundaries=(0, 3, 8))], RANKS, _default).plan
+    assert (back.boundaries, back.widths) == ((0, 3, 8), None)
+    too_wide = PlanProposal("w", boundaries=(0, 4, 8), widths=(2, 1))
+    refused = merge_proposals(_current(), [too_wide], RANKS, _default)
+    assert refused.plan.widths is None and refused.overridden[0][:2] == ("w", "partition")
+    with pytest.raises(ValueError, match="need `boundaries` with one stage per width"):
+        PlanProposal("x", boundaries=(0, 8), widths=(1, 1))
+    with pytest.raises(ValueError, match="must give every one of the 2 stages"):
+        PipelinePlan((0, 4, 8), widths=(2,))
