@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,20 +41,33 @@ def average_gradients(
     parameters: list[Tensor], group: dist.ProcessGroup, group_size: int,
     operation: str = "the gradient average over data-parallel replicas",
 ) -> None:
-    """Average the gradients of ``parameters`` over the data-parallel replicas of their stage.
+    """Average the gradients of ``parameters`` over the data-parallel replicas of their stage."""
+    if group_size > 1:
+        reduce_gradients(parameters, group, operation, scale=1.0 / group_size)
 
-    Parameters without a gradient (unused in this step) get a zero gradient first, on every
-    replica alike, so the flat buffers line up.
+
+def reduce_gradients(parameters: Sequence[Tensor], group: dist.ProcessGroup, operation: str, scale: float = 1.0) -> None:
+    """Sum the gradients of ``parameters`` over ``group``, times ``scale``, in place.
+
+    A parameter without a gradient on some ranks takes part with zeros, so the flat buffers line up;
+    one that no rank has a gradient for stays without one, as on one device, where the optimizer
+    skips it (a zero gradient would let AdamW's weight decay and moments move it).
     """
-    if group_size == 1:
+    if not parameters:
         return
+    present = torch.tensor([float(p.grad is not None) for p in parameters], dtype=torch.float64)
+    present = present.to(parameters[0].device)
+    with naming_failures(operation, group):
+        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
     grads = []
     for p in parameters:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    if grads:
-        _flat_all_reduce(grads, group, dist.ReduceOp.SUM, operation, scale=1.0 / group_size)
+    _flat_all_reduce(grads, group, dist.ReduceOp.SUM, operation, scale=scale)
+    for p, count in zip(parameters, present.tolist(), strict=True):
+        if count == 0:
+            p.grad = None
 
 
 def sum_shared_gradients(

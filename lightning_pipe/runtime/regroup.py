@@ -28,13 +28,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe.runtime.collectives import gather_objects
+from lightning_pipe.runtime.collectives import gather_objects, reduce_gradients
 from lightning_pipe.runtime.executor import PipelineExecutor, StepOutcome
-from lightning_pipe.runtime.failures import naming_failures
 
 
 def create_rank_groups(
@@ -73,37 +71,9 @@ class LayoutExecutor(PipelineExecutor):
 
 
 def sum_replica_gradients(parameters: Sequence[Tensor], group: dist.ProcessGroup, operation: str) -> None:
-    """Sum the gradients of ``parameters`` over ``group`` (a stage's replicas), in place.
-
-    Parameters without a gradient get a zero one for the sum, so the flat buffers line up; a
-    parameter no replica has a gradient for gets None back (as on one device, where an optimizer
-    skips a parameter without a gradient: AdamW's weight decay would otherwise move it).
-    """
-    if not parameters:
-        return
-    present = torch.tensor([float(p.grad is not None) for p in parameters], dtype=torch.float64)
-    present = present.to(parameters[0].device)
-    with naming_failures(operation, group):
-        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
-    grads = []
-    for p in parameters:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        with naming_failures(operation, group):
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for grad in same:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-    for p, count in zip(parameters, present.tolist(), strict=True):
-        if count == 0:
-            p.grad = None
+    """Sum the gradients of ``parameters`` over ``group`` (a stage's replicas), in place; a parameter
+    no replica has a gradient for keeps none (:func:`~lightning_pipe.runtime.collectives.reduce_gradients`)."""
+    reduce_gradients(parameters, group, operation)
 
 
 def sum_moved_gradients(

@@ -345,3 +345,10 @@ class HookedAuxGPT(TinyGPT):
         logits = self(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         return loss + 1e-2 * torch.stack(self.collected).sum()
+
+
+def with_spare_parameter(module: TinyGPT) -> TinyGPT:
+    """Give a block a parameter the step never uses: no gradient on one device, so AdamW's weight
+    decay skips it; replicas must hand it back without one too (not a zero gradient)."""
+    module.blocks[2].spare = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    return module

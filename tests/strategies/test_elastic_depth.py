@@ -17,7 +17,7 @@ from lightning_pipe import ElasticPipelineStrategy
 from lightning_pipe.callbacks import PipelineMonitor
 from tests.helpers.callbacks import RandomLayouts
 from tests.helpers.loop import rank_files
-from tests.helpers.models import TinyGPT
+from tests.helpers.models import TinyGPT, with_spare_parameter
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
 
 LAYOUTS = [(1, 1, 1, 1), (2, 2), (4,), (2, 1, 1), (1, 3), (1, 2, 1), (3, 1), (1, 1, 2)]
@@ -36,11 +36,6 @@ class RecordLayouts(L.Callback):
             f.write(json.dumps(row) + "\n")
 
 
-def _with_spare(module: TinyGPT) -> TinyGPT:
-    """A parameter the step never uses: no gradient on one device, so AdamW's weight decay skips it;
-    replicas must hand it back without one too (not a zero gradient)."""
-    module.blocks[2].spare = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
-    return module
 
 
 @pytest.mark.timeout(300)
@@ -51,7 +46,7 @@ def test_random_layouts_parity(tmp_path, optimizer):
     validation = token_batches(2, batch_size=6, lengths=[7, 4], seed=5)
     if optimizer == "sgd":  # a batch of 3 samples: 3 microbatches, so a replica of a width-4 stage may run none
         batches[1] = batches[1][:3]  # it runs on (4,) (seed 11)
-    make = lambda: _with_spare(TinyGPT(layers=6, optimizer=optimizer).double())
+    make = lambda: with_spare_parameter(TinyGPT(layers=6, optimizer=optimizer).double())
     strategy = ElasticPipelineStrategy(num_microbatches=4, elastic_depth=True, start_method=START_METHOD)
     proposer = RandomLayouts(LAYOUTS, seed=7 if optimizer == "adamw" else 11)
     pipelined = fit(
