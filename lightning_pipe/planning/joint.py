@@ -32,13 +32,17 @@ Pure: numpy/scipy and ``schedules``; no torch.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_pipe.planning.boundaries import unit_ranges
-from lightning_pipe.planning.cost_model import CostModel, LinearCost
+from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape
 from lightning_pipe.planning.memory_model import (
     FULL,
     NONE,
@@ -55,11 +59,12 @@ from lightning_pipe.planning.microbatching import (
     microbatch_shapes,
     sample_costs,
 )
-from lightning_pipe.planning.partition import plan_partition
+from lightning_pipe.planning.partition import PartitionPlan, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.schedules import Schedule, resolve_schedule
 
 __all__ = [
+    "JointCache",
     "JointCandidate",
     "JointConfig",
     "JointPlan",
@@ -70,6 +75,7 @@ __all__ = [
 ]
 
 EVEN, BALANCED = "even", "balanced"
+PRUNED = "pruned"  # a group not priced: its bound was above the best plan found
 
 
 @dataclass(frozen=True)
@@ -114,8 +120,10 @@ class JointCandidate:
     Attributes:
         plan: the plan (memory None: nothing recomputed or offloaded).
         microbatching: ``"even"`` or ``"balanced"``.
-        origin: how its partition was found (``free``, ``fit``, ``recompute``, ``current``).
-        step_seconds: simulated step time with the memory plan (inf if nothing fits).
+        origin: how its partition was found (``free``, ``fit``, ``recompute``, ``current``, ``given``),
+            or ``pruned``: its (family, microbatching) was not priced because its bound was above the
+            best plan found (the plan is the unconstrained partition, not priced).
+        step_seconds: simulated step time with the memory plan (inf if nothing fits or pruned).
         lower_bound_seconds: the bound for its (family, microbatching).
     """
 
@@ -153,14 +161,20 @@ class JointPlan:
     def best_where(self, **fixed: object) -> float:
         """The best step time among candidates whose plan has the given parts (``schedule=``,
         ``boundaries=``, ``num_microbatches=``, ``microbatching=``, ``memory=None``): what the plan
-        would cost with those levers held."""
+        would cost with those levers held. A pruned (family, microbatching) that could hold them counts
+        with its lower bound, so the result is then a lower bound of that cost."""
         best = math.inf
         for c in self.candidates:
             values = {
                 "schedule": c.plan.schedule.name, "boundaries": c.plan.boundaries,
                 "num_microbatches": c.plan.num_microbatches, "microbatching": c.microbatching, "memory": c.plan.memory,
             }
-            if all(values[k] == v for k, v in fixed.items()):
+            if c.origin == PRUNED:
+                if all(
+                    values[k] == v for k, v in fixed.items() if k not in ("boundaries", "memory")
+                ) and ("boundaries" not in fixed or len(fixed["boundaries"]) == len(c.plan.boundaries)):
+                    best = min(best, c.lower_bound_seconds)
+            elif all(values[k] == v for k, v in fixed.items()):
                 best = min(best, c.step_seconds)
         return best
 
@@ -241,6 +255,56 @@ def evaluate_plan(
     return result.step_seconds, PipelinePlan(plan.boundaries, plan.schedule, len(shapes), memory, plan.microbatch_sizes)
 
 
+class JointCache:
+    """Results of :func:`plan_joint`'s searches kept for later batches (and later calls).
+
+    A partition search depends on the cost model, the microbatch shapes, the family, the rank count,
+    the memory limit and the search settings; a memory plan also on the partition, the memory profile
+    and the memory planner's settings. Batches whose microbatches have the same shapes (a fixed-length
+    dataset, or a length signature that comes back) reuse them instead of searching again. The cache
+    belongs to one (cost model, profile, config): given another, it starts empty. Searches stopped by
+    a time limit are reused as found (their stated bounds stay valid), so a plan, once made, is
+    repeatable. Thread-safe (a lookahead thread and the training thread may share it).
+
+    Args:
+        max_entries: entries kept per kind (least recently used dropped first).
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._owner: tuple | None = None
+        self._partitions: OrderedDict = OrderedDict()
+        self._evaluations: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def bind(self, cost_model: CostModel, profile: MemoryProfile | None, config: JointConfig) -> None:
+        """Use the cache for these inputs; forget everything if they are not the ones of before."""
+        with self._lock:
+            owner = self._owner
+            if owner is None or owner[0] is not cost_model or owner[1] is not profile or owner[2] != config:
+                self._partitions.clear()
+                self._evaluations.clear()
+                self._owner = (cost_model, profile, config)
+
+    def _get(self, table: OrderedDict, key: Any) -> Any:
+        with self._lock:
+            if key in table:
+                table.move_to_end(key)
+                self.hits += 1
+                return table[key]
+            self.misses += 1
+            return None
+
+    def _put(self, table: OrderedDict, key: Any, value: Any) -> None:
+        with self._lock:
+            table[key] = value
+            table.move_to_end(key)
+            while len(table) > self.max_entries:
+                table.popitem(last=False)
+
+
 def plan_joint(
     cost_model: CostModel,
     lengths: Sequence[int],
@@ -252,6 +316,7 @@ def plan_joint(
     current: PipelinePlan | None = None,
     partitions: Sequence[Sequence[int]] = (),
     migration: Callable[[PipelinePlan], float] | None = None,
+    cache: JointCache | None = None,
 ) -> JointPlan:
     """The fastest (partition, family, microbatching, memory plan) for one batch under ``budget``.
 
@@ -266,6 +331,7 @@ def plan_joint(
         partitions: more partitions to price where their stage count fits a family (static ones).
         migration: seconds of moving from the plan in use to a plan; the choice minimises step plus
             migration seconds. None: moving is free.
+        cache: searches of earlier calls to reuse (:class:`JointCache`); None: search everything.
 
     Returns:
         The :class:`JointPlan` (its ``gap`` is the stated optimality gap).
@@ -274,18 +340,19 @@ def plan_joint(
         MemoryBudgetError: if no candidate fits ``budget``.
     """
     started = time.perf_counter()
+    given_profile = profile
     profile = profile or memory_profile_from_cost_model(cost_model)
-    recompute_model = cost_model.with_full_recompute()
-    limit = None if budget is None else float(budget)
-    candidates: list[JointCandidate] = []
-    bounds: list[float] = []
+    if cache is not None:
+        cache.bind(cost_model, given_profile, config)  # None: the profile is a function of the cost model
+    search = _JointSearch(cost_model, profile, num_ranks, None if budget is None else float(budget), config, cache)
     per_sample = sample_costs(lengths, cost_model)
+    groups = []
     for spec in config.families:
         schedule = resolve_schedule(spec)
         if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
             continue
         for count in config.counts(num_ranks):
-            splits = {}
+            splits: dict[tuple[int, ...], str] = {}
             for mode in config.microbatching:
                 if mode == EVEN:
                     sizes = even_microbatch_sizes(len(lengths), count)
@@ -293,19 +360,32 @@ def plan_joint(
                     sizes = balance_microbatch_sizes(per_sample, count)
                 splits.setdefault(sizes, mode)  # balanced == even: price once
             for sizes, mode in splits.items():
-                _price(
-                    candidates, bounds, cost_model, recompute_model, profile, lengths, schedule, sizes, mode,
-                    num_ranks, limit, config, current, partitions,
-                )
-    lower = min(bounds, default=math.inf)
+                if not _runs(schedule, num_ranks, len(sizes)):
+                    continue
+                shapes = tuple(microbatch_shapes(lengths, sizes))
+                groups.append(search.group(schedule, sizes, mode, shapes))
+    # Branch and bound over the groups: cheapest bound first; a group whose bound is not below the
+    # best (step + migration) found cannot hold the choice (memory plans and moves only add time).
+    price = migration or (lambda plan: 0.0)
+    candidates: list[JointCandidate] = []
+    moves: dict[int, float] = {}
+    best_total = math.inf
+    for group in sorted(groups, key=lambda g: g.bound):
+        if group.bound > best_total:
+            candidates.append(group.pruned())
+            continue
+        for candidate in search.price(group, current, partitions, best_total, price):
+            candidates.append(candidate)
+            if math.isfinite(candidate.step_seconds):
+                moves[id(candidate)] = price(candidate.plan)
+                best_total = min(best_total, candidate.step_seconds + moves[id(candidate)])
+    lower = min((g.bound for g in groups), default=math.inf)
     fitting = [c for c in candidates if math.isfinite(c.step_seconds)]
     if not fitting:
         raise MemoryBudgetError(
             f"No plan fits the budget of {budget} bytes per device with families {list(config.families)} and "
             f"microbatch counts {list(config.counts(num_ranks))}: allow more microbatches, offload, or more stages."
         )
-    price = migration or (lambda plan: 0.0)
-    moves = {id(c): price(c.plan) for c in fitting}
     best = min(fitting, key=lambda c: (c.step_seconds + moves[id(c)], c.origin != "current", c.plan.schedule.name))
     fastest = min(c.step_seconds for c in fitting)
     gap = fastest / lower - 1.0 if lower > 0 else 0.0
@@ -315,40 +395,130 @@ def plan_joint(
     )
 
 
-def _price(
-    candidates: list[JointCandidate], bounds: list[float], cost_model: CostModel, recompute_model: CostModel,
-    profile: MemoryProfile, lengths: Sequence[int], schedule: Schedule, sizes: tuple[int, ...], mode: str,
-    num_ranks: int, limit: float | None, config: JointConfig, current: PipelinePlan | None,
-    extra: Sequence[Sequence[int]],
-) -> None:
-    shapes = microbatch_shapes(lengths, sizes)
-    count = len(shapes)
+@functools.lru_cache(maxsize=256)
+def _runs(schedule: Schedule, num_ranks: int, count: int) -> bool:
+    """Whether the family builds a program for this many microbatches."""
     try:
         schedule.build(num_ranks, count)
-    except (ValueError, AssertionError):  # the family does not run this many microbatches
-        return
-    partitions: dict[tuple[int, ...], str] = {}
-    gap = config.relative_gap
-    free = plan_partition(cost_model, shapes, schedule, num_ranks, None, relative_gap=gap)
-    bound = free.step_seconds / (1.0 + gap)
-    bounds.append(bound)
-    partitions[free.boundaries] = "free"
-    if limit is not None and not free.fits(limit):
-        for model, origin in ((cost_model, "fit"), (recompute_model, "recompute")):
-            try:
-                found = plan_partition(
-                    model, shapes, schedule, num_ranks, limit, relative_gap=gap, time_limit=config.partition_time_limit
-                )
-            except ValueError:
-                continue
-            partitions.setdefault(found.boundaries, origin)
-    num_stages = num_ranks * schedule.stages_per_rank
-    if current is not None and len(current.boundaries) - 1 == num_stages:
-        partitions.setdefault(tuple(current.boundaries), "current")
-    for boundaries in extra:
-        if len(boundaries) - 1 == num_stages:
-            partitions.setdefault(tuple(int(b) for b in boundaries), "given")
-    for boundaries, origin in partitions.items():
-        plan = PipelinePlan(boundaries, schedule, count, None, sizes if mode == BALANCED else None)
-        seconds, planned = evaluate_plan(cost_model, lengths, plan, num_ranks, limit, profile=profile, config=config)
-        candidates.append(JointCandidate(planned, mode, origin, seconds, bound))
+    except (ValueError, AssertionError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One (family, microbatching) of the search: its unconstrained partition and its lower bound."""
+
+    schedule: Schedule
+    sizes: tuple[int, ...]
+    mode: str
+    shapes: tuple[MicrobatchShape, ...]
+    free: PartitionPlan
+    bound: float
+
+    def plan(self, boundaries: tuple[int, ...]) -> PipelinePlan:
+        return PipelinePlan(boundaries, self.schedule, len(self.sizes), None, self.sizes if self.mode == BALANCED else None)
+
+    def pruned(self) -> JointCandidate:
+        return JointCandidate(self.plan(self.free.boundaries), self.mode, PRUNED, math.inf, self.bound)
+
+
+class _JointSearch:
+    """The searches of one :func:`plan_joint` call, through the cache when there is one."""
+
+    def __init__(
+        self, cost_model: CostModel, profile: MemoryProfile, num_ranks: int, limit: float | None,
+        config: JointConfig, cache: JointCache | None,
+    ) -> None:
+        self.cost_model, self.profile, self.num_ranks, self.limit = cost_model, profile, num_ranks, limit
+        self.config, self.cache = config, cache
+        self.recompute_model: CostModel | None = None
+
+    def partition(self, kind: str, schedule: Schedule, shapes: tuple, limit: float | None, cutoff: float) -> PartitionPlan | None:
+        """``plan_partition`` with the no-recompute (``free``, ``fit``) or all-recompute model; None if
+        nothing (faster than ``cutoff``) fits. Reused from the cache where the result does not depend
+        on a larger cutoff."""
+        key = (kind, schedule, shapes, self.num_ranks, limit)
+        kept = None if self.cache is None else self.cache._get(self.cache._partitions, key)
+        if kept is not None:
+            found, searched_below = kept
+            if (found is not None and found.step_seconds < searched_below) or cutoff <= searched_below:
+                return found  # what a search with this cutoff would find
+        if kind == "recompute":
+            if self.recompute_model is None:
+                self.recompute_model = self.cost_model.with_full_recompute()
+            model = self.recompute_model
+        else:
+            model = self.cost_model
+        try:
+            found = plan_partition(
+                model, shapes, schedule, self.num_ranks, limit, relative_gap=self.config.relative_gap,
+                time_limit=self.config.partition_time_limit, cutoff_seconds=None if math.isinf(cutoff) else cutoff,
+            )
+        except ValueError:
+            found = None
+        if self.cache is not None:
+            self.cache._put(self.cache._partitions, key, (found, cutoff))
+        return found
+
+    def group(self, schedule: Schedule, sizes: tuple[int, ...], mode: str, shapes: tuple) -> _Group:
+        free = self.partition("free", schedule, shapes, None, math.inf)
+        assert free is not None  # without a limit every partition fits
+        return _Group(schedule, sizes, mode, shapes, free, free.lower_bound_seconds)
+
+    def evaluate(self, plan: PipelinePlan, shapes: tuple) -> tuple[float, PipelinePlan]:
+        key = (plan.boundaries, plan.schedule, shapes, self.limit)
+        kept = None if self.cache is None else self.cache._get(self.cache._evaluations, key)
+        if kept is None:
+            kept = _plan_memory_for(self.cost_model, self.profile, self.config, plan, shapes, self.num_ranks, self.limit)
+            if self.cache is not None:
+                self.cache._put(self.cache._evaluations, key, kept)
+        seconds, memory = kept
+        return seconds, PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, memory, plan.microbatch_sizes)
+
+    def price(
+        self, group: _Group, current: PipelinePlan | None, extra: Sequence[Sequence[int]], best_total: float,
+        migration: Callable[[PipelinePlan], float],
+    ) -> list[JointCandidate]:
+        """Every candidate partition of ``group`` with its fastest memory plan. ``fit`` is searched only
+        below the best step plus migration found (``best_total``, or the ``free`` partition's): a
+        slower partition cannot be chosen, since moves cost at least nothing."""
+        partitions: dict[tuple[int, ...], str] = {group.free.boundaries: "free"}
+        found = []
+        if self.limit is not None and not group.free.fits(self.limit):
+            seconds, planned = self.evaluate(group.plan(group.free.boundaries), group.shapes)
+            found.append(JointCandidate(planned, group.mode, "free", seconds, group.bound))
+            cutoff = min(best_total, seconds + migration(planned)) if math.isfinite(seconds) else best_total
+            for kind, below in (("fit", cutoff), ("recompute", math.inf)):
+                result = self.partition(kind, group.schedule, group.shapes, self.limit, below)
+                if result is not None:
+                    partitions.setdefault(result.boundaries, kind)
+        num_stages = self.num_ranks * group.schedule.stages_per_rank
+        if current is not None and len(current.boundaries) - 1 == num_stages:
+            partitions.setdefault(tuple(current.boundaries), "current")
+        for boundaries in extra:
+            if len(boundaries) - 1 == num_stages:
+                partitions.setdefault(tuple(int(b) for b in boundaries), "given")
+        for boundaries, origin in partitions.items():
+            if found and boundaries == group.free.boundaries:
+                continue  # priced above
+            seconds, planned = self.evaluate(group.plan(boundaries), group.shapes)
+            found.append(JointCandidate(planned, group.mode, origin, seconds, group.bound))
+        return found
+
+
+def _plan_memory_for(
+    cost_model: CostModel, profile: MemoryProfile, config: JointConfig, plan: PipelinePlan, shapes: Sequence,
+    num_ranks: int, limit: float | None,
+) -> tuple[float, MemoryPlan | None]:
+    """Simulated seconds of ``plan``'s partition with its fastest memory plan under ``limit`` (inf if none fits)."""
+    program = plan.schedule.build(num_ranks, len(shapes))
+    try:
+        result = plan_memory(
+            program, plan.boundaries, list(shapes), profile, math.inf if limit is None else limit, cost_model=cost_model,
+            options=config.memory_options, method=config.memory_method, host_bandwidth=config.host_bandwidth,
+            time_limit=config.memory_time_limit,
+        )
+    except MemoryBudgetError:
+        return math.inf, None
+    return result.step_seconds, None if result.plan.is_empty else result.plan

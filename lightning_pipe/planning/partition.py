@@ -76,6 +76,9 @@ class PartitionPlan:
         planning_seconds: wall-clock seconds spent planning (or evaluating).
         num_simulations: partitions simulated to find and prove the plan (most in batches).
         proven_optimal: True when no other feasible partition has a shorter simulated step.
+        lower_bound_seconds: no partition that fits has a shorter simulated step than this: the step
+            time itself when proven optimal (divided by ``1 + relative_gap`` when one was given), else
+            the strongest bound the search had when it stopped (``time_limit``). 0 when unknown.
     """
 
     boundaries: tuple[int, ...]
@@ -84,6 +87,7 @@ class PartitionPlan:
     planning_seconds: float
     num_simulations: int = 1
     proven_optimal: bool = False
+    lower_bound_seconds: float = 0.0
 
     def fits(self, memory_limit: float | None) -> bool:
         """True when every rank's peak memory is within ``memory_limit`` bytes (None: no limit)."""
@@ -209,6 +213,14 @@ class _Search:
         # The limit gets the tie tolerance: prefix sums and the simulator's sums round differently.
         self.limit = None if memory_limit is None else memory_limit * (1.0 + _RELATIVE_TOLERANCE)
         self.allowed = valid if self.limit is None else valid & (self.stage_memory <= self.limit)
+        # Stages after which a rank of several stages has all of them placed: its exact peak is known
+        # there, so the search drops partitions that do not fit at that depth instead of at the leaves.
+        self.completes: dict[int, int] = {}
+        if self.limit is not None and not self.one_stage_per_rank:
+            for rank in range(program.num_ranks):
+                own = list(program.stages_of(rank))
+                if len(own) > 1:
+                    self.completes[max(own)] = rank
         self.tables = np.zeros((0,) + valid.shape)
         self.rest = np.zeros((0, num_stages + 1, size))
         self.num_evaluated = 0
@@ -231,6 +243,39 @@ class _Search:
             rest[s] = (table[s] + rest[s + 1][None, :]).min(axis=1)
         self.tables = np.concatenate([self.tables, table[None]])
         self.rest = np.concatenate([self.rest, rest[None]])
+
+    def global_lower_bound(self) -> float:
+        """A step time no partition that fits memory stage by stage can beat, without a search.
+
+        Two valid bounds, the larger is returned: every chain's own smallest sum over partitions
+        (``max_k min_P chain_k(P) <= min_P max_k chain_k(P)``), and the total work spread evenly over
+        the ranks (the sum of all stages' forward and backward seconds does not depend on the
+        partition, and the busiest rank does at least its share).
+        """
+        chains = float(self.rest[:, 0, 0].max()) if len(self.rest) else 0.0
+        any_partition = uniform_partition(self.num_blocks, self.num_stages)
+        work = sum(
+            float(self.forward[s, a, b].sum() + self.backward[s, a, b].sum())
+            for s, (a, b) in enumerate(zip(any_partition[:-1], any_partition[1:]))
+        )
+        return max(chains, work / self.program.num_ranks)
+
+    def rank_fits(self, stage: int, prefix: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """For partial partitions ``prefix`` ``[P, stage + 1]`` (boundaries up to ``stage``'s first
+        block) ending ``stage`` at ``end`` ``[P]``: whether the rank that ``stage`` completes fits the
+        limit (the same accounting as :meth:`fit_mask`)."""
+        rank = self.completes[stage]
+        moments = self.analysis.alive[rank]  # [moment, stage, microbatch]
+        first = prefix[:, stage]
+        static = self.static[stage, first, end].copy()
+        alive = self.saved[stage, first, end] @ moments[:, stage, :].T  # [P, moment]
+        for other in self.program.stages_of(rank):
+            if other != stage:
+                a, b = prefix[:, other], prefix[:, other + 1]
+                static += self.static[other, a, b]
+                alive += self.saved[other, a, b] @ moments[:, other, :].T
+        peak = static + np.maximum(alive.max(axis=1, initial=0.0), 0.0)
+        return peak <= self.limit
 
     def fit_mask(self, bounds: np.ndarray) -> np.ndarray:
         """Which partitions ``[N, S + 1]`` fit ``memory_limit`` on every rank (exact)."""
@@ -318,6 +363,8 @@ class _Search:
             if s == last:
                 bound = values[:, :, num_blocks].max(axis=1)
                 keep = bound < limit
+                if s in self.completes and keep.any():
+                    keep[keep] = self.rank_fits(s, prefix[keep], np.full(int(keep.sum()), num_blocks))
                 leaves = np.concatenate([prefix[keep], np.full((int(keep.sum()), 1), num_blocks)], axis=1)
                 bound = bound[keep]
                 if self.excluded:
@@ -331,6 +378,9 @@ class _Search:
                 continue
             completion = (values + self.rest[None, :, s + 1, :]).max(axis=1)  # [N, L+1]
             node, end = np.nonzero(completion < limit)
+            if s in self.completes and len(node):
+                fits = self.rank_fits(s, prefix[node], end)
+                node, end = node[fits], end[fits]
             if len(node) == 0:
                 continue
             order = np.argsort(completion[node, end], kind="stable")
@@ -376,6 +426,7 @@ def plan_partition(
     candidates: Sequence[Sequence[int]] = (),
     relative_gap: float = 0.0,
     time_limit: float | None = None,
+    cutoff_seconds: float | None = None,
 ) -> PartitionPlan:
     """Contiguous stage boundaries minimizing the simulated step time of one batch.
 
@@ -396,15 +447,21 @@ def plan_partition(
         candidates: partitions to try first, such as the one in use; they only speed the search.
         relative_gap: accept a plan within this fraction of the optimum (0: exact); speeds the search.
         time_limit: stop the search after this many seconds and return the best partition found
-            (``proven_optimal`` False); None: search to the end. Proving that nothing fits a tight
-            ``memory_limit`` can take long with several stages per rank.
+            (``proven_optimal`` False, ``lower_bound_seconds`` what the search could still prove);
+            None: search to the end. Proving that nothing fits a tight ``memory_limit`` can take long
+            with several stages per rank.
+        cutoff_seconds: only partitions faster than this are wanted (a caller's best plan so far):
+            the search skips every partition whose bound is not below it, which makes proving that
+            nothing better fits fast. A partition found faster than the cutoff is exact as without it;
+            otherwise the best partition the seeds gave is returned (``proven_optimal`` False).
 
     Returns:
         The :class:`PartitionPlan`.
 
     Raises:
         ValueError: if no partition fits ``memory_limit`` (the message gives the minimum memory
-            needed and what to change), if there are fewer blocks than stages, or for bad arguments.
+            needed and what to change), or, with ``cutoff_seconds`` or ``time_limit``, if no partition
+            that fits was found; if there are fewer blocks than stages; for bad arguments.
     """
     started = time.perf_counter()
     if len(microbatches) == 0:
@@ -421,6 +478,7 @@ def plan_partition(
             f"{program.name!r} on num_ranks={num_ranks} needs {program.num_stages} stages."
         )
     search = _Search(cost_model, microbatches, analysis, memory_limit)
+    cutoff = math.inf if cutoff_seconds is None else float(cutoff_seconds)
     seeds = search.seeds(candidates)
     seconds = search.evaluate(np.array(seeds))
     best_index = int(np.argmin(seconds))
@@ -433,7 +491,7 @@ def plan_partition(
         if time_limit is not None and time.perf_counter() - started > time_limit:
             timed_out = True
             break
-        threshold = best * (1.0 - _RELATIVE_TOLERANCE) / (1.0 + relative_gap)
+        threshold = min(best, cutoff) * (1.0 - _RELATIVE_TOLERANCE) / (1.0 + relative_gap)
         leaves = search.lowest_bounds(threshold, _LEAVES_PER_ROUND, _NODES_PER_ROUND)
         if len(leaves) == 0:
             break
@@ -447,13 +505,22 @@ def plan_partition(
     if not math.isfinite(best):
         if timed_out:
             raise ValueError(f"No partition that fits was found within `time_limit={time_limit}` seconds.")
+        if math.isfinite(cutoff):
+            raise ValueError(f"No partition that fits is faster than `cutoff_seconds={cutoff_seconds}`.")
         raise ValueError(search.infeasible_message())
     result = simulate(program, cost_model.stage_costs(incumbent, microbatches))
+    if timed_out:
+        lower = min(result.makespan, search.global_lower_bound())
+    elif best < cutoff:  # proven (ties closer than the tolerance are equal, as for the plan itself)
+        lower = result.makespan / (1.0 + relative_gap)
+    else:  # every partition left has a bound of at least the last threshold
+        lower = cutoff * (1.0 - _RELATIVE_TOLERANCE) / (1.0 + relative_gap)
     return PartitionPlan(
         boundaries=incumbent,
         step_seconds=result.makespan,
         peak_memory=result.peak_memory,
         planning_seconds=time.perf_counter() - started,
         num_simulations=search.num_evaluated + 1,
-        proven_optimal=relative_gap == 0.0 and not timed_out,
+        proven_optimal=relative_gap == 0.0 and not timed_out and best < cutoff,
+        lower_bound_seconds=lower,
     )
