@@ -38,6 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,14 +365,23 @@ def plan_joint(
                     continue
                 shapes = tuple(microbatch_shapes(lengths, sizes))
                 groups.append(search.group(schedule, sizes, mode, shapes))
-    # Branch and bound over the groups: cheapest bound first; a group whose bound is not below the
-    # best (step + migration) found cannot hold the choice (memory plans and moves only add time).
+    # Branch and bound over the (family, microbatching) groups, the most promising first (the best
+    # partition a quick local search finds): a group whose lower bound is above the best step plus
+    # migration found cannot hold the choice (memory plans and moves only add time), and a group's
+    # exact search only looks below it.
     price = migration or (lambda plan: 0.0)
     candidates: list[JointCandidate] = []
     moves: dict[int, float] = {}
     best_total = math.inf
-    for group in sorted(groups, key=lambda g: g.bound):
+    bounds = []
+    for group in sorted(groups, key=lambda g: (g.quick.step_seconds, g.bound)):
         if group.bound > best_total:
+            bounds.append(group.bound)
+            candidates.append(group.pruned())
+            continue
+        group = search.search_free(group, best_total)
+        bounds.append(group.bound)
+        if group.free.step_seconds >= best_total:  # nothing in the group is faster than the best found
             candidates.append(group.pruned())
             continue
         for candidate in search.price(group, current, partitions, best_total, price):
@@ -379,7 +389,7 @@ def plan_joint(
             if math.isfinite(candidate.step_seconds):
                 moves[id(candidate)] = price(candidate.plan)
                 best_total = min(best_total, candidate.step_seconds + moves[id(candidate)])
-    lower = min((g.bound for g in groups), default=math.inf)
+    lower = min(bounds, default=math.inf)
     fitting = [c for c in candidates if math.isfinite(c.step_seconds)]
     if not fitting:
         raise MemoryBudgetError(
@@ -407,20 +417,23 @@ def _runs(schedule: Schedule, num_ranks: int, count: int) -> bool:
 
 @dataclass(frozen=True)
 class _Group:
-    """One (family, microbatching) of the search: its unconstrained partition and its lower bound."""
+    """One (family, microbatching) of the search: its best unconstrained partition (``quick``: from a
+    local search; ``free``: from the exact search, once made) and a lower bound of its step time."""
 
     schedule: Schedule
     sizes: tuple[int, ...]
     mode: str
     shapes: tuple[MicrobatchShape, ...]
-    free: PartitionPlan
+    quick: PartitionPlan
     bound: float
+    free: PartitionPlan | None = None
 
     def plan(self, boundaries: tuple[int, ...]) -> PipelinePlan:
         return PipelinePlan(boundaries, self.schedule, len(self.sizes), None, self.sizes if self.mode == BALANCED else None)
 
     def pruned(self) -> JointCandidate:
-        return JointCandidate(self.plan(self.free.boundaries), self.mode, PRUNED, math.inf, self.bound)
+        found = self.free or self.quick
+        return JointCandidate(self.plan(found.boundaries), self.mode, PRUNED, math.inf, self.bound)
 
 
 class _JointSearch:
@@ -434,16 +447,19 @@ class _JointSearch:
         self.config, self.cache = config, cache
         self.recompute_model: CostModel | None = None
 
-    def partition(self, kind: str, schedule: Schedule, shapes: tuple, limit: float | None, cutoff: float) -> PartitionPlan | None:
-        """``plan_partition`` with the no-recompute (``free``, ``fit``) or all-recompute model; None if
-        nothing (faster than ``cutoff``) fits. Reused from the cache where the result does not depend
-        on a larger cutoff."""
+    def partition(
+        self, kind: str, schedule: Schedule, shapes: tuple, limit: float | None, cutoff: float = math.inf,
+        time_limit: float | None = None, candidates: Sequence[Sequence[int]] = (),
+    ) -> PartitionPlan | None:
+        """``plan_partition`` with the no-recompute (``quick``, ``free``, ``fit``) or all-recompute
+        (``recompute``) model; None if nothing fits (or nothing faster than ``cutoff`` was found).
+        Reused from the cache where a search with this cutoff would find the same."""
         key = (kind, schedule, shapes, self.num_ranks, limit)
         kept = None if self.cache is None else self.cache._get(self.cache._partitions, key)
         if kept is not None:
             found, searched_below = kept
             if (found is not None and found.step_seconds < searched_below) or cutoff <= searched_below:
-                return found  # what a search with this cutoff would find
+                return found
         if kind == "recompute":
             if self.recompute_model is None:
                 self.recompute_model = self.cost_model.with_full_recompute()
@@ -453,7 +469,7 @@ class _JointSearch:
         try:
             found = plan_partition(
                 model, shapes, schedule, self.num_ranks, limit, relative_gap=self.config.relative_gap,
-                time_limit=self.config.partition_time_limit, cutoff_seconds=None if math.isinf(cutoff) else cutoff,
+                time_limit=time_limit, cutoff_seconds=None if math.isinf(cutoff) else cutoff, candidates=candidates,
             )
         except ValueError:
             found = None
@@ -462,9 +478,20 @@ class _JointSearch:
         return found
 
     def group(self, schedule: Schedule, sizes: tuple[int, ...], mode: str, shapes: tuple) -> _Group:
-        free = self.partition("free", schedule, shapes, None, math.inf)
-        assert free is not None  # without a limit every partition fits
-        return _Group(schedule, sizes, mode, shapes, free, free.lower_bound_seconds)
+        """The group with its quick partition (seeds and local search only) and the bound that needs no search."""
+        quick = self.partition("quick", schedule, shapes, None, time_limit=0.0)
+        assert quick is not None  # without a limit every partition fits
+        return _Group(schedule, sizes, mode, shapes, quick, quick.lower_bound_seconds)
+
+    def search_free(self, group: _Group, cutoff: float) -> _Group:
+        """The group with its exact unconstrained partition below ``cutoff`` (the best one otherwise
+        found) and the search's bound (at least ``cutoff / (1 + relative_gap)`` when nothing is faster)."""
+        free = self.partition(
+            "free", group.schedule, group.shapes, None, cutoff, self.config.partition_time_limit,
+            candidates=[group.quick.boundaries],
+        )
+        assert free is not None
+        return dataclasses.replace(group, free=free, bound=max(group.bound, free.lower_bound_seconds))
 
     def evaluate(self, plan: PipelinePlan, shapes: tuple) -> tuple[float, PipelinePlan]:
         key = (plan.boundaries, plan.schedule, shapes, self.limit)
@@ -490,7 +517,9 @@ class _JointSearch:
             found.append(JointCandidate(planned, group.mode, "free", seconds, group.bound))
             cutoff = min(best_total, seconds + migration(planned)) if math.isfinite(seconds) else best_total
             for kind, below in (("fit", cutoff), ("recompute", math.inf)):
-                result = self.partition(kind, group.schedule, group.shapes, self.limit, below)
+                result = self.partition(
+                    kind, group.schedule, group.shapes, self.limit, below, self.config.partition_time_limit
+                )
                 if result is not None:
                     partitions.setdefault(result.boundaries, kind)
         num_stages = self.num_ranks * group.schedule.stages_per_rank

@@ -225,6 +225,7 @@ class _Search:
         self.rest = np.zeros((0, num_stages + 1, size))
         self.num_evaluated = 0
         self.excluded: set[tuple[int, ...]] = set()
+        self.round_bound = -np.inf  # see lowest_bounds
         for chain in self.analysis.rank_chains:
             self.add_chain(chain)
 
@@ -346,17 +347,21 @@ class _Search:
         result is exactly the ``count`` smallest bounds, and empty only if no partition has a bound
         below ``threshold`` (the proof of optimality). With ``budget``, the walk stops once it has
         expanded that many nodes and found at least one leaf.
+
+        Afterwards ``round_bound`` is a lower bound on the chain bound of every partition that fits:
+        the smallest of ``threshold``, the returned partitions' bounds and the bounds of the subtrees
+        left unexplored (everything cut was cut at a limit at least one of these).
         """
         last, num_blocks = self.num_stages - 1, self.num_blocks
         chunk = max(64, 2_000_000 // (len(self.tables) * (num_blocks + 1)))
         found_bounds = np.zeros(0)
         found = np.zeros((0, self.num_stages + 1), dtype=int)
-        stack = [(0, np.zeros(1, dtype=int), np.zeros((1, len(self.tables))), np.zeros((1, 1), dtype=int))]
+        stack = [(0, np.zeros(1, dtype=int), np.zeros((1, len(self.tables))), np.zeros((1, 1), dtype=int), -np.inf)]
         expanded = 0
         while stack:
             if budget is not None and expanded > budget and len(found):
                 break
-            s, first, partial, prefix = stack.pop()
+            s, first, partial, prefix, _ = stack.pop()
             expanded += len(first)
             limit = threshold if len(found) < count else float(found_bounds.max())
             values = partial[:, :, None] + np.transpose(self.tables[:, s, first, :], (1, 0, 2))  # [N, K, L+1]
@@ -385,9 +390,13 @@ class _Search:
                 continue
             order = np.argsort(completion[node, end], kind="stable")
             node, end = node[order], end[order]
+            floors = completion[node, end]  # ascending: a chunk's first is its subtrees' smallest bound
             children = (end, values[node, :, end], np.concatenate([prefix[node], end[:, None]], axis=1))
             for start in range(((len(node) - 1) // chunk) * chunk, -1, -chunk):  # best chunk on top
-                stack.append((s + 1, *(part[start : start + chunk] for part in children)))
+                stack.append((s + 1, *(part[start : start + chunk] for part in children), float(floors[start])))
+        self.round_bound = min(
+            [threshold, float(found_bounds.min(initial=np.inf))] + [entry[-1] for entry in stack]
+        )
         return found[np.argsort(found_bounds, kind="stable")]
 
     def seeds(self, candidates: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -509,12 +518,12 @@ def plan_partition(
             raise ValueError(f"No partition that fits is faster than `cutoff_seconds={cutoff_seconds}`.")
         raise ValueError(search.infeasible_message())
     result = simulate(program, cost_model.stage_costs(incumbent, microbatches))
-    if timed_out:
-        lower = min(result.makespan, search.global_lower_bound())
+    if timed_out:  # the last round's frontier, or the bounds that need no search, whichever is stronger
+        lower = min(result.makespan, max(search.round_bound * (1.0 - _RELATIVE_TOLERANCE), search.global_lower_bound()))
     elif best < cutoff:  # proven (ties closer than the tolerance are equal, as for the plan itself)
         lower = result.makespan / (1.0 + relative_gap)
-    else:  # every partition left has a bound of at least the last threshold
-        lower = cutoff * (1.0 - _RELATIVE_TOLERANCE) / (1.0 + relative_gap)
+    else:  # every partition left has a bound of at least the last threshold (ties as above)
+        lower = cutoff / (1.0 + relative_gap)
     return PartitionPlan(
         boundaries=incumbent,
         step_seconds=result.makespan,
