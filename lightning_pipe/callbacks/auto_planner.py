@@ -10,16 +10,21 @@ strategy's merge (``planning/proposals.py``) lets it win every part it sets.
 
 Lookahead: Lightning's loop has the next batch ready, so while batch ``k`` trains a background
 thread plans batch ``k + 1`` for the plan batch ``k`` runs; batch ``k + 1`` takes it if that plan is
-still the running one. Planning is pure (numpy/scipy), but its searches under the budget are
-time-limited (``partition_time_limit``, the MILP's limit), so the result may depend on the machine's
-load: global rank 0's plan is broadcast to every rank.
+still the running one. Planning is pure (numpy/scipy), but its searches are time-limited
+(``partition_time_limit``, the MILP's limit), so the result may depend on the machine's load: only
+global rank 0 plans, and its plan is broadcast to every rank (the others do not spend CPU on it).
+A :class:`~lightning_pipe.planning.joint.JointCache` keeps the searches, so a batch whose microbatches
+have shapes seen before (fixed-length data, a recurring length signature) is planned from them.
 
 It explains its choice through the Lightning logger every step: ``auto/predicted_step_s``,
 ``auto/measured_step_s`` (after the plan was applied to the end of the batch, the maximum over
-ranks), ``auto/gap`` (stated optimality gap), ``auto/planning_s``, ``auto/migration_s`` and
+ranks), ``auto/gap`` (stated optimality gap), ``auto/planning_s`` (seconds of the search),
+``auto/planning_waited_s`` (seconds the step waited for it: what lookahead did not hide),
+``auto/migration_s`` and
 ``auto/bought_<lever>_s`` for ``partition``, ``family``, ``microbatching`` and ``memory``: how many
 simulated seconds the best plan holding that lever at its running value (even microbatches, no
-memory plan) would take beyond the chosen one. ``history`` keeps one :class:`AutoPlanStep` per batch.
+memory plan) would take beyond the chosen one (at least that many where the search pruned the
+(family, microbatching) groups holding it by their bounds). ``history`` keeps one :class:`AutoPlanStep` per batch.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import lightning as L
 
 from lightning_pipe.callbacks._lookahead import LookaheadJob
 from lightning_pipe.planning.cost_model import CostModel
-from lightning_pipe.planning.joint import EVEN, JointConfig, JointPlan, plan_joint, plan_migration_seconds
+from lightning_pipe.planning.joint import EVEN, JointCache, JointConfig, JointPlan, plan_joint, plan_migration_seconds
 from lightning_pipe.planning.memory_model import FULL, OFFLOAD, MemoryPlan, parse_size
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.proposals import PlanProposal
@@ -59,8 +64,11 @@ class AutoPlanStep:
         gap: the search's stated optimality gap.
         bought: per lever, simulated seconds the best plan holding that lever would add.
         migration_seconds: predicted seconds of moving to the plan (0 when nothing moves).
-        planning_seconds: wall seconds of the search (in the background when looked ahead).
+        planning_seconds: wall seconds of the search (on global rank 0, in the background when looked ahead).
         looked_ahead: whether the plan was made while the previous batch ran.
+        planning_waited_seconds: wall seconds this batch waited for its plan before the step (the
+            rest of a lookahead still running, or the whole search without one, and the broadcast of
+            rank 0's plan): the planning time lookahead did not hide.
     """
 
     batch_idx: int
@@ -72,6 +80,7 @@ class AutoPlanStep:
     migration_seconds: float
     planning_seconds: float
     looked_ahead: bool
+    planning_waited_seconds: float = 0.0
 
 
 class AutoPlanner(L.Callback):
@@ -139,6 +148,7 @@ class AutoPlanner(L.Callback):
         self._job: LookaheadJob | None = None
         self._pending: dict[str, Any] = {}
         self._model: CostModel | None = None
+        self.cache = JointCache()  # searches reused by batches whose microbatches have the same shapes
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check the strategy; give it the budget to enforce."""
@@ -174,13 +184,18 @@ class AutoPlanner(L.Callback):
             profile = strategy.memory.profile
         running = strategy.plan
         key = (tuple(lengths), running.boundaries, running.schedule, running.num_microbatches)
+        planner = strategy.global_rank == 0  # plans alone: searches stopped by time limits may differ between ranks
         looked_ahead = self._job is not None and self._job.key == key
-        result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile)
+        waited = time.perf_counter()
         if self._job is not None and not looked_ahead:
             self._job.join()  # stale: the running plan or the batch differs from what was planned for
+        result = None
+        if planner:
+            result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile)
         self._job = None
-        if strategy.world_size > 1:  # time-limited searches (partition, MILP) may differ between ranks
+        if strategy.world_size > 1:
             result = strategy.broadcast(result, src=0)
+        waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's, with its broadcast)
         plan = result.plan
         strategy.propose(
             PlanProposal(
@@ -189,7 +204,7 @@ class AutoPlanner(L.Callback):
                 memory=plan.memory if plan.memory is not None else MemoryPlan(), priority=self.priority,
             )
         )
-        if self.lookahead and all(e[1] is not None for e in everyone):
+        if planner and self.lookahead and all(e[1] is not None for e in everyone):
             upcoming_lengths = self._heaviest([e[1] for e in everyone])
             next_running = PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, plan.memory)
             next_key = (
@@ -200,7 +215,7 @@ class AutoPlanner(L.Callback):
             )
         self._pending = {
             "batch_idx": batch_idx, "result": result, "looked_ahead": looked_ahead, "running": running,
-            "started": time.perf_counter(),
+            "waited": waited, "started": time.perf_counter(),
         }
 
     def on_train_batch_end(
@@ -220,7 +235,7 @@ class AutoPlanner(L.Callback):
         bought = self._bought(result, pending["running"])
         step = AutoPlanStep(
             batch_idx, result.plan, result.step_seconds, measured, result.gap, bought, result.migration_seconds,
-            result.planning_seconds, pending["looked_ahead"],
+            result.planning_seconds, pending["looked_ahead"], pending["waited"],
         )
         self.history.append(step)
         metrics = {
@@ -228,6 +243,7 @@ class AutoPlanner(L.Callback):
             "auto/measured_step_s": step.measured_step_seconds,
             "auto/gap": step.gap,
             "auto/planning_s": step.planning_seconds,
+            "auto/planning_waited_s": step.planning_waited_seconds,
             "auto/migration_s": step.migration_seconds,
             "auto/looked_ahead": float(step.looked_ahead),
             "auto/num_microbatches": float(step.plan.num_microbatches),
@@ -270,7 +286,7 @@ class AutoPlanner(L.Callback):
             profile = None
         return plan_joint(
             model, lengths, ranks, budget, profile=profile, config=self._config(strategy), current=running,
-            partitions=defaults, migration=migration,
+            partitions=defaults, migration=migration, cache=self.cache,
         )
 
     def _stages_per_rank(self) -> set[int]:

@@ -88,6 +88,7 @@ from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
 from lightning_pipe.strategies.plan_merging import PlanApplication, apply_proposals
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
+from lightning_pipe.strategies.auto_plan import PlanMode, check_plan_mode, install_auto_planner
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.optimizer_checks import check_optimizers
 from lightning_pipe.strategies.precision import install_global_norm_clipping
@@ -175,6 +176,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             tokens); a :class:`~lightning_pipe.runtime.packing.Packer` for a token budget. The first
             batch that packs two sequences is checked (first stage, packed against unpacked) and a
             model whose result packing would change is refused. Needs a token-averaged loss.
+        plan: ``"static"`` (default): the plan changes only when callbacks propose it; ``"auto"``:
+            the strategy adds the joint planner (``AutoPlanner`` with its defaults) to the callbacks,
+            choosing partition, family, microbatching and memory plan per batch under
+            ``memory_budget``; refused with single-lever planners, a user's own ``AutoPlanner``, or the
+            ``recompute``/``offload`` arguments (``strategies/auto_plan.py``; docs/joint-planning.md).
     """
 
     strategy_name = "elastic_pipe"
@@ -203,8 +209,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         packing: bool | Packer = False,
+        plan: PlanMode = "static",
     ) -> None:
         super().__init__()
+        check_plan_mode(plan, recompute, offload)
+        self._plan_mode = plan
         check_loss_weights(loss_weights)
         self.packer: Packer | None = Packer() if packing is True else (packing or None)
         if self.packer is not None and not isinstance(self.packer, Packer):
@@ -379,6 +388,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.groups = create_process_groups(self.layout, timeout=self._timeout)
         self.sharded_checkpoints.group = create_checkpoint_group(self._timeout)
         self.sharded_checkpoints.global_rank = self.global_rank
+        if self._plan_mode == "auto":
+            install_auto_planner(self.lightning_module.trainer)
 
     @property
     def process_group_backend(self) -> str:
