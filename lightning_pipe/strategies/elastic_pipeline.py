@@ -280,6 +280,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._short_programs: dict[Any, Program] = {}
         self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds per (family, ranks, count)
         self._microbatch_sizes: tuple[int, ...] | None = None
+        self._warned_sizes: set[tuple] = set()  # (sizes, batch size) pairs already warned about
         self._proposals: list[PlanProposal] = []
         self.last_application: PlanApplication | None = None  # how the latest step's plan was merged and applied
         if async_save and not save_distributed_checkpoint:
@@ -758,10 +759,26 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if train is None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             train = bool(trainer is not None and trainer.training)
+        sizes = self._sizes_of(batch, sizes, train)
         planned = self._plan_microbatches(batch, count, sizes, trim=train and self._trim_padding)
         if planned.padding is not None and not self.trim_verdicts.get(planned.padding.layout, TrimVerdict(True)).exact:
             planned = self._plan_microbatches(batch, count, sizes, trim=False)
         return self._keep_split(batch, (count, sizes), SplitBatch(planned, planned.split(batch)))
+
+    def _sizes_of(self, batch: Any, sizes: tuple[int, ...] | None, train: bool) -> tuple[int, ...] | None:
+        """The plan's microbatch sizes if they are this batch's, else None (an even split, exact as any): silently
+        for a validation batch after a sized training batch, with a warning (once per size pair) for a training
+        batch, whose sizes were then planned for another batch."""
+        if sizes is None or sum(sizes) == (size := batch_size_of(batch, 0 if self._batch_dim is None else self._batch_dim)):
+            return sizes
+        if train and (sizes, size) not in self._warned_sizes:
+            self._warned_sizes.add((sizes, size))
+            rank_zero_warn(
+                f"lightning-pipe: the plan's microbatch sizes {list(sizes)} sum to {sum(sizes)} samples but this training "
+                f"batch has {size}: it is split evenly instead (exact, not balanced). Sizes describe one batch: propose "
+                "them in `on_train_batch_start` for the batch at hand."
+            )
+        return None
 
     def _plan_microbatches(self, batch: Any, count: int, sizes: tuple[int, ...] | None, trim: bool) -> MicrobatchPlan:
         """``count`` microbatches of ``sizes`` (even when None or not this batch's: a validation batch after a
