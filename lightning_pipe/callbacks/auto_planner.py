@@ -303,7 +303,15 @@ class AutoPlanner(L.Callback):
         return {lever: result.best_where(**fixed) - result.step_seconds for lever, fixed in held.items()}
 
     def _sample_lengths(self, strategy: Any, batch: Any) -> list[int]:
-        return [n for mb in strategy.costs.microbatch_lengths(batch, self.lengths_fn) for n in mb]
+        """Each sample's length in the batch's order, whatever split runs now (the plan decides the
+        split): ``lengths_fn``, else each sample's real tokens of a padded batch (as microbatches are
+        cut to their own), else the token tensor's length."""
+        if self.lengths_fn is not None:
+            return [int(n) for n in self.lengths_fn(batch)]
+        padding = getattr(strategy.split_batch(batch).plan, "padding", None)
+        if padding is not None:
+            return [max(1, n) for n in padding.content_lengths()]
+        return [n for mb in strategy.costs.microbatch_lengths(batch) for n in mb]
 
     @staticmethod
     def _heaviest(per_replica: list[list[int]]) -> list[int]:

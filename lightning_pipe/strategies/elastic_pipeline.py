@@ -739,8 +739,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             batch: the batch.
             plan: whose microbatching to use (count and sizes); None: the running plan's. Sizes
                 that do not sum to this batch's samples (a validation batch after a sized training
-                batch) give way to an even split.
-            train: whether it is a training batch; None: whether the trainer is training.
+                batch) give way to an even split, with a warning when the training step runs it.
+            train: whether it is a training batch (True: the step runs it); None (a planner's look):
+                whether the trainer is training.
 
         Raises:
             ValueError: the batch cannot be cut unambiguously (``runtime/microbatch.py``).
@@ -756,22 +757,22 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 chunker = functools.partial(chunk_pieces, time=self.packer.chunk_cost, max_tokens=self.packer.max_tokens)
             packed = self.packer.plan(batch, count, chunker)
             return self._keep_split(batch, (count, sizes), SplitBatch(packed, packed.split(batch)))
+        sizes = self._sizes_of(batch, sizes, warn=train is True)  # the step itself (planners' peeks pass None)
         if train is None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             train = bool(trainer is not None and trainer.training)
-        sizes = self._sizes_of(batch, sizes, train)
         planned = self._plan_microbatches(batch, count, sizes, trim=train and self._trim_padding)
         if planned.padding is not None and not self.trim_verdicts.get(planned.padding.layout, TrimVerdict(True)).exact:
             planned = self._plan_microbatches(batch, count, sizes, trim=False)
         return self._keep_split(batch, (count, sizes), SplitBatch(planned, planned.split(batch)))
 
-    def _sizes_of(self, batch: Any, sizes: tuple[int, ...] | None, train: bool) -> tuple[int, ...] | None:
-        """The plan's microbatch sizes if they are this batch's, else None (an even split, exact as any): silently
-        for a validation batch after a sized training batch, with a warning (once per size pair) for a training
-        batch, whose sizes were then planned for another batch."""
+    def _sizes_of(self, batch: Any, sizes: tuple[int, ...] | None, warn: bool) -> tuple[int, ...] | None:
+        """The plan's microbatch sizes if they are this batch's, else None (an even split, exact as any): with a
+        warning (once per size pair) when the training step runs it (``warn``: its sizes were planned for another
+        batch), silently for a validation batch after a sized training batch or a planner's look at a batch."""
         if sizes is None or sum(sizes) == (size := batch_size_of(batch, 0 if self._batch_dim is None else self._batch_dim)):
             return sizes
-        if train and (sizes, size) not in self._warned_sizes:
+        if warn and (sizes, size) not in self._warned_sizes:
             self._warned_sizes.add((sizes, size))
             rank_zero_warn(
                 f"lightning-pipe: the plan's microbatch sizes {list(sizes)} sum to {sum(sizes)} samples but this training "

@@ -60,10 +60,10 @@ def test_sizes_of_another_batch_fall_back_to_an_even_split_with_a_warning():
 
     strategy = ElasticPipelineStrategy()
     batch = {"x": torch.zeros(8, 3)}
-    assert strategy._sizes_of(batch, (5, 1, 2), train=True) == (5, 1, 2)
+    assert strategy._sizes_of(batch, (5, 1, 2), warn=True) == (5, 1, 2)
     with pytest.warns(UserWarning, match=r"sizes \[5, 1, 3\] sum to 9 samples but this training batch has 8"):
-        assert strategy._sizes_of(batch, (5, 1, 3), train=True) is None
+        assert strategy._sizes_of(batch, (5, 1, 3), warn=True) is None
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per pair; never for a validation batch
-        assert strategy._sizes_of(batch, (5, 1, 3), train=True) is None
-        assert strategy._sizes_of(batch, (4, 4, 4), train=False) is None
+        warnings.simplefilter("error")  # once per pair; never for a batch the step does not run
+        assert strategy._sizes_of(batch, (5, 1, 3), warn=True) is None
+        assert strategy._sizes_of(batch, (4, 4, 4), warn=False) is None
