@@ -201,14 +201,7 @@ class _Search:
         output = tables.output_bytes[np.maximum(unit_stop - 1, 0)]  # [stage, b, microbatch]
         seconds = (0.0 if math.isinf(cost_model.bandwidth) else output / cost_model.bandwidth) + cost_model.latency
         self.transfer = np.broadcast_to(seconds[:, None], self.forward.shape)
-        # Per-stage memory (static + alive saved bytes of that stage alone): the rank's memory with
-        # one stage per rank, a lower bound of it with several.
-        stage_memory = np.empty(valid.shape)
-        for s in range(num_stages):
-            moments = np.unique(self.analysis.alive[program.rank_of(s)][:, s, :], axis=0)
-            alive = np.einsum("tm,abm->tab", moments, self.saved[s]).max(axis=0) if moments.size else 0.0
-            stage_memory[s] = self.static[s] + np.maximum(alive, 0.0)
-        self.stage_memory = np.where(valid, stage_memory, np.inf)
+        self.stage_memory = self._stage_memory(valid) if memory_limit is not None else None  # no limit: not needed
         self.one_stage_per_rank = len(set(program.stage_to_rank)) == num_stages
         # The limit gets the tie tolerance: prefix sums and the simulator's sums round differently.
         self.limit = None if memory_limit is None else memory_limit * (1.0 + _RELATIVE_TOLERANCE)
@@ -228,6 +221,17 @@ class _Search:
         self.round_bound = -np.inf  # see lowest_bounds
         for chain in self.analysis.rank_chains:
             self.add_chain(chain)
+
+    def _stage_memory(self, valid: np.ndarray) -> np.ndarray:
+        """Per stage and block range, the memory of that stage alone (static + alive saved bytes): the
+        rank's memory with one stage per rank, a lower bound of it with several."""
+        program = self.program
+        stage_memory = np.empty(valid.shape)
+        for s in range(self.num_stages):
+            moments = np.unique(self.analysis.alive[program.rank_of(s)][:, s, :], axis=0)
+            alive = np.einsum("tm,abm->tab", moments, self.saved[s]).max(axis=0) if moments.size else 0.0
+            stage_memory[s] = self.static[s] + np.maximum(alive, 0.0)
+        return np.where(valid, stage_memory, np.inf)
 
     def add_chain(self, chain: Chain) -> None:
         """Tabulate a chain over (stage, first block, end block) and its best completion."""
