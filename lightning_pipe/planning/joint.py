@@ -60,7 +60,7 @@ from lightning_pipe.planning.microbatching import (
     microbatch_shapes,
     sample_costs,
 )
-from lightning_pipe.planning.partition import PartitionPlan, plan_partition
+from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.schedules import Schedule, resolve_schedule
 
@@ -77,6 +77,7 @@ __all__ = [
 
 EVEN, BALANCED = "even", "balanced"
 PRUNED = "pruned"  # a group not priced: its bound was above the best plan found
+BOUNDED = "bounded"  # a partition not priced: its step without a memory plan was above the best plan found
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,11 @@ class JointCandidate:
         microbatching: ``"even"`` or ``"balanced"``.
         origin: how its partition was found (``free``, ``fit``, ``recompute``, ``current``, ``given``),
             or ``pruned``: its (family, microbatching) was not priced because its bound was above the
-            best plan found (the plan is the unconstrained partition, not priced).
-        step_seconds: simulated step time with the memory plan (inf if nothing fits or pruned).
-        lower_bound_seconds: the bound for its (family, microbatching).
+            best plan found (the plan is the unconstrained partition, not priced), or ``bounded``: this
+            partition was not given a memory plan because its step without one was above the best found.
+        step_seconds: simulated step time with the memory plan (inf if nothing fits, pruned or bounded).
+        lower_bound_seconds: the bound for its (family, microbatching); for ``bounded``, its own step
+            without a memory plan.
     """
 
     plan: PipelinePlan
@@ -162,8 +165,8 @@ class JointPlan:
     def best_where(self, **fixed: object) -> float:
         """The best step time among candidates whose plan has the given parts (``schedule=``,
         ``boundaries=``, ``num_microbatches=``, ``microbatching=``, ``memory=None``): what the plan
-        would cost with those levers held. A pruned (family, microbatching) that could hold them counts
-        with its lower bound, so the result is then a lower bound of that cost."""
+        would cost with those levers held. A pruned (family, microbatching) or a bounded partition that
+        could hold them counts with its lower bound, so the result is then a lower bound of that cost."""
         best = math.inf
         for c in self.candidates:
             values = {
@@ -174,6 +177,9 @@ class JointPlan:
                 if all(
                     values[k] == v for k, v in fixed.items() if k not in ("boundaries", "memory")
                 ) and ("boundaries" not in fixed or len(fixed["boundaries"]) == len(c.plan.boundaries)):
+                    best = min(best, c.lower_bound_seconds)
+            elif c.origin == BOUNDED:
+                if all(values[k] == v for k, v in fixed.items() if k != "memory"):
                     best = min(best, c.lower_bound_seconds)
             elif all(values[k] == v for k, v in fixed.items()):
                 best = min(best, c.step_seconds)
@@ -507,18 +513,33 @@ class _JointSearch:
         self, group: _Group, current: PipelinePlan | None, extra: Sequence[Sequence[int]], best_total: float,
         migration: Callable[[PipelinePlan], float],
     ) -> list[JointCandidate]:
-        """Every candidate partition of ``group`` with its fastest memory plan. ``fit`` is searched only
-        below the best step plus migration found (``best_total``, or the ``free`` partition's): a
-        slower partition cannot be chosen, since moves cost at least nothing."""
+        """Every candidate partition of ``group`` with its fastest memory plan, unless its step without a
+        memory plan already exceeds the best step plus migration found (memory plans only add time,
+        moves cost at least nothing): then it is kept as ``bounded``, unpriced. ``fit`` is searched
+        only below that best."""
         partitions: dict[tuple[int, ...], str] = {group.free.boundaries: "free"}
         found = []
+        best = best_total
+
+        def add(boundaries: tuple[int, ...], origin: str) -> float:
+            nonlocal best
+            plan = group.plan(boundaries)
+            floor = group.free.step_seconds if boundaries == group.free.boundaries else self.unconstrained(plan, group)
+            if floor > best:
+                found.append(JointCandidate(plan, group.mode, BOUNDED, math.inf, floor))
+                return math.inf
+            seconds, planned = self.evaluate(plan, group.shapes)
+            found.append(JointCandidate(planned, group.mode, origin, seconds, group.bound))
+            if math.isfinite(seconds):
+                best = min(best, seconds + migration(planned))
+            return seconds
+
         if self.limit is not None and not group.free.fits(self.limit):
-            seconds, planned = self.evaluate(group.plan(group.free.boundaries), group.shapes)
-            found.append(JointCandidate(planned, group.mode, "free", seconds, group.bound))
-            cutoff = min(best_total, seconds + migration(planned)) if math.isfinite(seconds) else best_total
-            for kind, below in (("fit", cutoff), ("recompute", math.inf)):
+            add(group.free.boundaries, "free")
+            for kind in ("fit", "recompute"):
                 result = self.partition(
-                    kind, group.schedule, group.shapes, self.limit, below, self.config.partition_time_limit
+                    kind, group.schedule, group.shapes, self.limit, best if kind == "fit" else math.inf,
+                    self.config.partition_time_limit,
                 )
                 if result is not None:
                     partitions.setdefault(result.boundaries, kind)
@@ -531,9 +552,12 @@ class _JointSearch:
         for boundaries, origin in partitions.items():
             if found and boundaries == group.free.boundaries:
                 continue  # priced above
-            seconds, planned = self.evaluate(group.plan(boundaries), group.shapes)
-            found.append(JointCandidate(planned, group.mode, origin, seconds, group.bound))
+            add(boundaries, origin)
         return found
+
+    def unconstrained(self, plan: PipelinePlan, group: _Group) -> float:
+        """Simulated step of ``plan``'s partition without a memory plan (a lower bound of it with any)."""
+        return evaluate_partition(self.cost_model, list(group.shapes), group.schedule, self.num_ranks, plan.boundaries).step_seconds
 
 
 def _plan_memory_for(
