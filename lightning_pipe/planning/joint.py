@@ -95,9 +95,12 @@ class JointConfig:
         relative_gap: partitions within this fraction of the optimum are accepted (faster; the
             stated gap accounts for it).
         memory_time_limit: seconds the MILP may take per memory plan.
-        partition_time_limit: seconds a partition search under the budget may take (the best found
-            is used after; proving that nothing fits can be slow). The unconstrained search that gives
-            the lower bound always runs to the end.
+        partition_time_limit: seconds one partition search may take (the best found is used after,
+            and the bound it could still prove is stated: the gap grows, it is never understated).
+        time_limit: seconds the whole search may take; None: no limit. Once spent, the (family,
+            microbatching) groups not yet searched are left out with the bound known without a
+            search, and searches in flight stop at what is left. For planning that must end within
+            a step (lookahead).
     """
 
     families: tuple = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b")
@@ -109,6 +112,7 @@ class JointConfig:
     relative_gap: float = 0.0
     memory_time_limit: float = 5.0
     partition_time_limit: float | None = 5.0
+    time_limit: float | None = None
 
     def counts(self, num_ranks: int) -> tuple[int, ...]:
         """The microbatch counts for ``num_ranks`` pipeline ranks."""
@@ -381,10 +385,11 @@ def plan_joint(
     best_total = math.inf
     bounds = []
     for group in sorted(groups, key=lambda g: (g.quick.step_seconds, g.bound)):
-        if group.bound > best_total:
+        if group.bound > best_total or (search.out_of_time() and math.isfinite(best_total)):
             bounds.append(group.bound)
             candidates.append(group.pruned())
             continue
+        search.found_any = math.isfinite(best_total)
         group = search.search_free(group, best_total)
         bounds.append(group.bound)
         if group.free.step_seconds >= best_total:  # nothing in the group is faster than the best found
@@ -452,6 +457,20 @@ class _JointSearch:
         self.cost_model, self.profile, self.num_ranks, self.limit = cost_model, profile, num_ranks, limit
         self.config, self.cache = config, cache
         self.recompute_model: CostModel | None = None
+        self.deadline = None if config.time_limit is None else time.perf_counter() + config.time_limit
+        self.found_any = False
+
+    def out_of_time(self) -> bool:
+        """Whether ``config.time_limit`` is spent."""
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def search_seconds(self) -> float | None:
+        """Seconds the next partition search may take: its own limit, within what the whole search has left."""
+        limit = self.config.partition_time_limit
+        if self.deadline is None or not self.found_any:  # until one plan fits, searches get their own limit
+            return limit
+        left = max(0.0, self.deadline - time.perf_counter())
+        return left if limit is None else min(limit, left)
 
     def partition(
         self, kind: str, schedule: Schedule, shapes: tuple, limit: float | None, cutoff: float = math.inf,
@@ -479,7 +498,7 @@ class _JointSearch:
             )
         except ValueError:
             found = None
-        if self.cache is not None:
+        if self.cache is not None and (kind == "quick" or time_limit == self.config.partition_time_limit):  # not cut short
             self.cache._put(self.cache._partitions, key, (found, cutoff))
         return found
 
@@ -493,7 +512,7 @@ class _JointSearch:
         """The group with its exact unconstrained partition below ``cutoff`` (the best one otherwise
         found) and the search's bound (at least ``cutoff / (1 + relative_gap)`` when nothing is faster)."""
         free = self.partition(
-            "free", group.schedule, group.shapes, None, cutoff, self.config.partition_time_limit,
+            "free", group.schedule, group.shapes, None, cutoff, self.search_seconds(),
             candidates=[group.quick.boundaries],
         )
         assert free is not None
@@ -539,7 +558,7 @@ class _JointSearch:
             for kind in ("fit", "recompute"):
                 result = self.partition(
                     kind, group.schedule, group.shapes, self.limit, best if kind == "fit" else math.inf,
-                    self.config.partition_time_limit,
+                    self.search_seconds(),
                 )
                 if result is not None:
                     partitions.setdefault(result.boundaries, kind)
