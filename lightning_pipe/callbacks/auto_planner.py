@@ -100,7 +100,12 @@ class AutoPlanner(L.Callback):
         margin: a move must gain this fraction more than the migration costs.
         horizon_steps: steps a gain is assumed to last.
         relative_gap: partitions within this fraction of the optimum are accepted (faster planning).
-        partition_time_limit: seconds a partition search under the budget may take.
+        partition_time_limit: seconds one partition search may take (the best found is used; the gap says
+            what was left unproven).
+        time_limit: seconds the whole search for one batch may take: a number, None (no limit), or
+            ``"auto"``: half the last measured step, so that planning the next batch ends while this one
+            trains (lookahead hides it); no limit before the first step is measured. Groups left out for
+            time count with their bound, so the stated gap stays true.
         lookahead: plan the next batch in the background while the current one trains.
         priority: the proposal's priority (high: the joint plan wins the parts it sets).
     """
@@ -119,6 +124,7 @@ class AutoPlanner(L.Callback):
         horizon_steps: int = 16,
         relative_gap: float = 0.0,
         partition_time_limit: float | None = 5.0,
+        time_limit: float | str | None = "auto",
         lookahead: bool = True,
         priority: int = 100,
     ) -> None:
@@ -128,6 +134,8 @@ class AutoPlanner(L.Callback):
             raise ValueError(f"`AutoPlanner(microbatching={microbatching!r})`: use 'even' and/or 'balanced'.")
         if memory_method not in ("greedy", "milp"):
             raise ValueError(f"`AutoPlanner(memory_method={memory_method!r})`: use 'greedy' or 'milp'.")
+        if not (time_limit is None or time_limit == "auto" or (isinstance(time_limit, (int, float)) and time_limit >= 0)):
+            raise ValueError(f"`AutoPlanner(time_limit={time_limit!r})`: use seconds >= 0, None or 'auto'.")
         if horizon_steps < 1 or margin < 0:
             raise ValueError(f"`AutoPlanner`: horizon_steps must be >= 1 and margin >= 0, got {horizon_steps}, {margin}")
         self.budget = None if budget is None else parse_size(budget)
@@ -142,6 +150,8 @@ class AutoPlanner(L.Callback):
         self.horizon_steps = horizon_steps
         self.relative_gap = relative_gap
         self.partition_time_limit = partition_time_limit
+        self.time_limit = time_limit
+        self._last_step_seconds: float | None = None
         self.lookahead = lookahead
         self.priority = priority
         self.history: list[AutoPlanStep] = []
@@ -238,6 +248,7 @@ class AutoPlanner(L.Callback):
             result.planning_seconds, pending["looked_ahead"], pending["waited"],
         )
         self.history.append(step)
+        self._last_step_seconds = measured
         metrics = {
             "auto/predicted_step_s": step.predicted_step_seconds,
             "auto/measured_step_s": step.measured_step_seconds,
@@ -267,7 +278,13 @@ class AutoPlanner(L.Callback):
             families=self.families, microbatch_counts=self.microbatch_counts or (strategy.num_microbatches,),
             microbatching=self.microbatching, memory_options=self.memory_options, memory_method=self.memory_method,
             relative_gap=self.relative_gap, partition_time_limit=self.partition_time_limit,
+            time_limit=self._time_limit(),
         )
+
+    def _time_limit(self) -> float | None:
+        if self.time_limit == "auto":
+            return None if self._last_step_seconds is None else 0.5 * self._last_step_seconds
+        return self.time_limit
 
     def _plan(
         self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any

@@ -292,6 +292,7 @@ class JointCache:
 
     def bind(self, cost_model: CostModel, profile: MemoryProfile | None, config: JointConfig) -> None:
         """Use the cache for these inputs; forget everything if they are not the ones of before."""
+        config = dataclasses.replace(config, time_limit=None)  # the deadline does not change what a search finds
         with self._lock:
             owner = self._owner
             if owner is None or owner[0] is not cost_model or owner[1] is not profile or owner[2] != config:
