@@ -23,6 +23,14 @@ partition and memory plan of that (family, microbatching); the smallest such bou
 **stated optimality gap** ``step / lower_bound - 1`` over the whole space of partitions and memory
 plans, for the enumerated families and microbatchings (0 when the budget does not bind).
 
+The search is a branch and bound, so that it fits beside a step (docs/joint-planning.md): groups
+(family x microbatching) are priced in the order of a quick local search and skipped when their bound
+is above the best step plus migration found (``pruned``); partition searches only look below that
+best (``cutoff_seconds``); a partition whose step without a memory plan is above it gets no memory plan
+(``bounded``). Time limits (``partition_time_limit`` per search, ``time_limit`` for the whole call)
+stop searches at the bound they proved, which the gap then includes. A :class:`JointCache` reuses
+searches for microbatch shapes seen before.
+
 :func:`memory_profile_from_cost_model` derives the memory planner's per-unit profile from a cost
 model (saved bytes without recomputation; a fully recomputed block keeps its input), so the
 partition search and the memory plans price memory the same way.

@@ -19,7 +19,12 @@ How it stays exact without simulating all ``C(L-1, S-1)`` partitions (2.6 millio
 
 Memory needs no bound: which saved activations are alive after each action depends on the program
 order only, so the simulator's peak memory is computed exactly per stage range and infeasible
-ranges are cut before the search. The simpler recipe of bisecting on the bottleneck stage time and
+ranges are cut before the search; with several stages per rank, a rank's exact peak is checked as
+soon as its last stage is placed, so partitions that do not fit are cut inside the search.
+
+A caller that only needs partitions faster than some step (``cutoff_seconds``) makes the proof
+cheap; a search stopped by ``time_limit`` states the bound it could still prove
+(``lower_bound_seconds``: the smallest bound of the subtrees it had left). The simpler recipe of bisecting on the bottleneck stage time and
 simulating the Pareto candidates is exact only when the step time depends on the bottleneck alone;
 with variable-length microbatches the fill and drain depend on which stages are slow.
 """
