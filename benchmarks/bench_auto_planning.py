@@ -5,8 +5,7 @@ right-padded length trace, with the joint planner (``AutoPlanner`` with its defa
 ``1f1b``, ``gpipe``, ``zb_h1``, ``interleaved_1f1b``, even and balanced microbatches, lookahead).
 Per batch it prints what ``AutoPlanner.history`` recorded on global rank 0 (the rank that plans):
 ``planning_s`` (wall seconds of the search, on the lookahead thread when looked ahead),
-``waited_s`` (seconds the step waited for its plan: what lookahead did not hide, with the broadcast
-of the plan) and the measured step, then the medians and the shares of the step. Issue 18 asks for
+``waited_s`` (seconds the step waited on rank 0 for its plan: what lookahead did not hide) and the measured step, then the medians and the shares of the step. Issue 18 asks for
 planning below 2% of the step and hidden by lookahead.
 
     python benchmarks/bench_auto_planning.py                    # 16 timed batches after 3, FLANv2-like

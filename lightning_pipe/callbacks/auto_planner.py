@@ -66,9 +66,9 @@ class AutoPlanStep:
         migration_seconds: predicted seconds of moving to the plan (0 when nothing moves).
         planning_seconds: wall seconds of the search (on global rank 0, in the background when looked ahead).
         looked_ahead: whether the plan was made while the previous batch ran.
-        planning_waited_seconds: wall seconds this batch waited for its plan before the step (the
-            rest of a lookahead still running, or the whole search without one, and the broadcast of
-            rank 0's plan): the planning time lookahead did not hide.
+        planning_waited_seconds: wall seconds this batch waited on global rank 0 for its plan before
+            the step (the rest of a lookahead still running, or the whole search without one): the
+            planning time lookahead did not hide (the broadcast of the plan is not in it).
     """
 
     batch_idx: int
@@ -203,9 +203,9 @@ class AutoPlanner(L.Callback):
         if planner:
             result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile)
         self._job = None
+        waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's)
         if strategy.world_size > 1:
-            result = strategy.broadcast(result, src=0)
-        waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's, with its broadcast)
+            result, waited = strategy.broadcast((result, waited), src=0)
         plan = result.plan
         strategy.propose(
             PlanProposal(
