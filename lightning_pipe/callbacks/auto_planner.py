@@ -205,7 +205,7 @@ class AutoPlanner(L.Callback):
         self._job = None
         waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's)
         if strategy.world_size > 1:
-            result, waited = strategy.broadcast((result, waited), src=0)
+            result, waited, looked_ahead = strategy.broadcast((result, waited, looked_ahead), src=0)
         plan = result.plan
         strategy.propose(
             PlanProposal(
