@@ -12,12 +12,15 @@ from lightning_pipe.planning import MemoryPlan, PipelinePlan, PlanProposal, Stag
 from lightning_pipe.runtime.packing import Packer
 from lightning_pipe.strategies import ElasticPipelineStrategy
 from lightning_pipe.strategies._lightning_compat import install_strategy_name_hint
+from lightning_pipe.strategies.auto_plan import register_auto_planner
+from lightning_pipe.callbacks import AutoPlanner, ElasticRepartition, MemoryPlanner, ScheduleSwitch  # noqa: I001 (after the strategy)
 
 __version__ = "0.1.0"
 
 if "elastic_pipe" not in StrategyRegistry:
     ElasticPipelineStrategy.register_strategies(StrategyRegistry)
 install_strategy_name_hint("elastic_pipe")  # "elastic-pipe" and the like: Lightning's error gets a hint
+register_auto_planner(AutoPlanner, conflicts=(ElasticRepartition, MemoryPlanner, ScheduleSwitch))  # plan="auto"
 
 # Public API.
 __all__ = [

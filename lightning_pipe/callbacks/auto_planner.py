@@ -10,16 +10,21 @@ strategy's merge (``planning/proposals.py``) lets it win every part it sets.
 
 Lookahead: Lightning's loop has the next batch ready, so while batch ``k`` trains a background
 thread plans batch ``k + 1`` for the plan batch ``k`` runs; batch ``k + 1`` takes it if that plan is
-still the running one. Planning is pure (numpy/scipy), but its searches under the budget are
-time-limited (``partition_time_limit``, the MILP's limit), so the result may depend on the machine's
-load: global rank 0's plan is broadcast to every rank.
+still the running one. Planning is pure (numpy/scipy), but its searches are time-limited
+(``partition_time_limit``, the MILP's limit), so the result may depend on the machine's load: only
+global rank 0 plans, and its plan is broadcast to every rank (the others do not spend CPU on it).
+A :class:`~lightning_pipe.planning.joint.JointCache` keeps the searches, so a batch whose microbatches
+have shapes seen before (fixed-length data, a recurring length signature) is planned from them.
 
 It explains its choice through the Lightning logger every step: ``auto/predicted_step_s``,
 ``auto/measured_step_s`` (after the plan was applied to the end of the batch, the maximum over
-ranks), ``auto/gap`` (stated optimality gap), ``auto/planning_s``, ``auto/migration_s`` and
+ranks), ``auto/gap`` (stated optimality gap), ``auto/planning_s`` (seconds of the search),
+``auto/planning_waited_s`` (seconds the step waited for it: what lookahead did not hide),
+``auto/migration_s`` and
 ``auto/bought_<lever>_s`` for ``partition``, ``family``, ``microbatching`` and ``memory``: how many
 simulated seconds the best plan holding that lever at its running value (even microbatches, no
-memory plan) would take beyond the chosen one. ``history`` keeps one :class:`AutoPlanStep` per batch.
+memory plan) would take beyond the chosen one (at least that many where the search pruned the
+(family, microbatching) groups holding it by their bounds). ``history`` keeps one :class:`AutoPlanStep` per batch.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import lightning as L
 
 from lightning_pipe.callbacks._lookahead import LookaheadJob
 from lightning_pipe.planning.cost_model import CostModel
-from lightning_pipe.planning.joint import EVEN, JointConfig, JointPlan, plan_joint, plan_migration_seconds
+from lightning_pipe.planning.joint import EVEN, JointCache, JointConfig, JointPlan, plan_joint, plan_migration_seconds
 from lightning_pipe.planning.memory_model import FULL, OFFLOAD, MemoryPlan, parse_size
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.proposals import PlanProposal
@@ -59,8 +64,11 @@ class AutoPlanStep:
         gap: the search's stated optimality gap.
         bought: per lever, simulated seconds the best plan holding that lever would add.
         migration_seconds: predicted seconds of moving to the plan (0 when nothing moves).
-        planning_seconds: wall seconds of the search (in the background when looked ahead).
+        planning_seconds: wall seconds of the search (on global rank 0, in the background when looked ahead).
         looked_ahead: whether the plan was made while the previous batch ran.
+        planning_waited_seconds: wall seconds this batch waited on global rank 0 for its plan before
+            the step (the rest of a lookahead still running, or the whole search without one): the
+            planning time lookahead did not hide (the broadcast of the plan is not in it).
     """
 
     batch_idx: int
@@ -72,6 +80,7 @@ class AutoPlanStep:
     migration_seconds: float
     planning_seconds: float
     looked_ahead: bool
+    planning_waited_seconds: float = 0.0
 
 
 class AutoPlanner(L.Callback):
@@ -91,7 +100,12 @@ class AutoPlanner(L.Callback):
         margin: a move must gain this fraction more than the migration costs.
         horizon_steps: steps a gain is assumed to last.
         relative_gap: partitions within this fraction of the optimum are accepted (faster planning).
-        partition_time_limit: seconds a partition search under the budget may take.
+        partition_time_limit: seconds one partition search may take (the best found is used; the gap says
+            what was left unproven).
+        time_limit: seconds the whole search for one batch may take: a number, None (no limit), or
+            ``"auto"``: half the last measured step, so that planning the next batch ends while this one
+            trains (lookahead hides it); no limit before the first step is measured. Groups left out for
+            time count with their bound, so the stated gap stays true.
         lookahead: plan the next batch in the background while the current one trains.
         priority: the proposal's priority (high: the joint plan wins the parts it sets).
     """
@@ -110,6 +124,7 @@ class AutoPlanner(L.Callback):
         horizon_steps: int = 16,
         relative_gap: float = 0.0,
         partition_time_limit: float | None = 5.0,
+        time_limit: float | str | None = "auto",
         lookahead: bool = True,
         priority: int = 100,
     ) -> None:
@@ -119,6 +134,8 @@ class AutoPlanner(L.Callback):
             raise ValueError(f"`AutoPlanner(microbatching={microbatching!r})`: use 'even' and/or 'balanced'.")
         if memory_method not in ("greedy", "milp"):
             raise ValueError(f"`AutoPlanner(memory_method={memory_method!r})`: use 'greedy' or 'milp'.")
+        if not (time_limit is None or time_limit == "auto" or (isinstance(time_limit, (int, float)) and time_limit >= 0)):
+            raise ValueError(f"`AutoPlanner(time_limit={time_limit!r})`: use seconds >= 0, None or 'auto'.")
         if horizon_steps < 1 or margin < 0:
             raise ValueError(f"`AutoPlanner`: horizon_steps must be >= 1 and margin >= 0, got {horizon_steps}, {margin}")
         self.budget = None if budget is None else parse_size(budget)
@@ -133,12 +150,15 @@ class AutoPlanner(L.Callback):
         self.horizon_steps = horizon_steps
         self.relative_gap = relative_gap
         self.partition_time_limit = partition_time_limit
+        self.time_limit = time_limit
+        self._last_step_seconds: float | None = None
         self.lookahead = lookahead
         self.priority = priority
         self.history: list[AutoPlanStep] = []
         self._job: LookaheadJob | None = None
         self._pending: dict[str, Any] = {}
         self._model: CostModel | None = None
+        self.cache = JointCache()  # searches reused by batches whose microbatches have the same shapes
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check the strategy; give it the budget to enforce."""
@@ -174,13 +194,18 @@ class AutoPlanner(L.Callback):
             profile = strategy.memory.profile
         running = strategy.plan
         key = (tuple(lengths), running.boundaries, running.schedule, running.num_microbatches)
+        planner = strategy.global_rank == 0  # plans alone: searches stopped by time limits may differ between ranks
         looked_ahead = self._job is not None and self._job.key == key
-        result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile)
+        waited = time.perf_counter()
         if self._job is not None and not looked_ahead:
             self._job.join()  # stale: the running plan or the batch differs from what was planned for
+        result = None
+        if planner:
+            result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile)
         self._job = None
-        if strategy.world_size > 1:  # time-limited searches (partition, MILP) may differ between ranks
-            result = strategy.broadcast(result, src=0)
+        waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's)
+        if strategy.world_size > 1:
+            result, waited, looked_ahead = strategy.broadcast((result, waited, looked_ahead), src=0)
         plan = result.plan
         strategy.propose(
             PlanProposal(
@@ -189,7 +214,7 @@ class AutoPlanner(L.Callback):
                 memory=plan.memory if plan.memory is not None else MemoryPlan(), priority=self.priority,
             )
         )
-        if self.lookahead and all(e[1] is not None for e in everyone):
+        if planner and self.lookahead and all(e[1] is not None for e in everyone):
             upcoming_lengths = self._heaviest([e[1] for e in everyone])
             next_running = PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, plan.memory)
             next_key = (
@@ -200,7 +225,7 @@ class AutoPlanner(L.Callback):
             )
         self._pending = {
             "batch_idx": batch_idx, "result": result, "looked_ahead": looked_ahead, "running": running,
-            "started": time.perf_counter(),
+            "waited": waited, "started": time.perf_counter(),
         }
 
     def on_train_batch_end(
@@ -220,14 +245,16 @@ class AutoPlanner(L.Callback):
         bought = self._bought(result, pending["running"])
         step = AutoPlanStep(
             batch_idx, result.plan, result.step_seconds, measured, result.gap, bought, result.migration_seconds,
-            result.planning_seconds, pending["looked_ahead"],
+            result.planning_seconds, pending["looked_ahead"], pending["waited"],
         )
         self.history.append(step)
+        self._last_step_seconds = measured
         metrics = {
             "auto/predicted_step_s": step.predicted_step_seconds,
             "auto/measured_step_s": step.measured_step_seconds,
             "auto/gap": step.gap,
             "auto/planning_s": step.planning_seconds,
+            "auto/planning_waited_s": step.planning_waited_seconds,
             "auto/migration_s": step.migration_seconds,
             "auto/looked_ahead": float(step.looked_ahead),
             "auto/num_microbatches": float(step.plan.num_microbatches),
@@ -251,7 +278,13 @@ class AutoPlanner(L.Callback):
             families=self.families, microbatch_counts=self.microbatch_counts or (strategy.num_microbatches,),
             microbatching=self.microbatching, memory_options=self.memory_options, memory_method=self.memory_method,
             relative_gap=self.relative_gap, partition_time_limit=self.partition_time_limit,
+            time_limit=self._time_limit(),
         )
+
+    def _time_limit(self) -> float | None:
+        if self.time_limit == "auto":
+            return None if self._last_step_seconds is None else 0.5 * self._last_step_seconds
+        return self.time_limit
 
     def _plan(
         self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any
@@ -270,7 +303,7 @@ class AutoPlanner(L.Callback):
             profile = None
         return plan_joint(
             model, lengths, ranks, budget, profile=profile, config=self._config(strategy), current=running,
-            partitions=defaults, migration=migration,
+            partitions=defaults, migration=migration, cache=self.cache,
         )
 
     def _stages_per_rank(self) -> set[int]:
@@ -287,7 +320,15 @@ class AutoPlanner(L.Callback):
         return {lever: result.best_where(**fixed) - result.step_seconds for lever, fixed in held.items()}
 
     def _sample_lengths(self, strategy: Any, batch: Any) -> list[int]:
-        return [n for mb in strategy.costs.microbatch_lengths(batch, self.lengths_fn) for n in mb]
+        """Each sample's length in the batch's order, whatever split runs now (the plan decides the
+        split): ``lengths_fn``, else each sample's real tokens of a padded batch (as microbatches are
+        cut to their own), else the token tensor's length."""
+        if self.lengths_fn is not None:
+            return [int(n) for n in self.lengths_fn(batch)]
+        padding = getattr(strategy.split_batch(batch).plan, "padding", None)
+        if padding is not None:
+            return [max(1, n) for n in padding.content_lengths()]
+        return [n for mb in strategy.costs.microbatch_lengths(batch) for n in mb]
 
     @staticmethod
     def _heaviest(per_replica: list[list[int]]) -> list[int]:

@@ -44,7 +44,7 @@ from lightning_pipe.planning.layout import (
     uniform_layout,
 )
 from lightning_pipe.planning.layout_simulation import LayoutSimulation, estimate_layout_seconds, simulate_layout
-from lightning_pipe.planning.joint import JointCandidate, JointConfig, JointPlan, plan_joint
+from lightning_pipe.planning.joint import JointCache, JointCandidate, JointConfig, JointPlan, plan_joint
 from lightning_pipe.planning.memory_model import (
     MemoryPlan,
     MemoryPrediction,
@@ -83,6 +83,7 @@ __all__ = [
     "CostModelDepthEstimator",
     "DepthDecision",
     "DepthEstimator",
+    "JointCache",
     "JointCandidate",
     "JointConfig",
     "JointPlan",

@@ -23,6 +23,14 @@ partition and memory plan of that (family, microbatching); the smallest such bou
 **stated optimality gap** ``step / lower_bound - 1`` over the whole space of partitions and memory
 plans, for the enumerated families and microbatchings (0 when the budget does not bind).
 
+The search is a branch and bound, so that it fits beside a step (docs/joint-planning.md): groups
+(family x microbatching) are priced in the order of a quick local search and skipped when their bound
+is above the best step plus migration found (``pruned``); partition searches only look below that
+best (``cutoff_seconds``); a partition whose step without a memory plan is above it gets no memory plan
+(``bounded``). Time limits (``partition_time_limit`` per search, ``time_limit`` for the whole call)
+stop searches at the bound they proved, which the gap then includes. A :class:`JointCache` reuses
+searches for microbatch shapes seen before.
+
 :func:`memory_profile_from_cost_model` derives the memory planner's per-unit profile from a cost
 model (saved bytes without recomputation; a fully recomputed block keeps its input), so the
 partition search and the memory plans price memory the same way.
@@ -32,14 +40,19 @@ Pure: numpy/scipy and ``schedules``; no torch.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_pipe.planning.boundaries import unit_ranges
 from lightning_pipe.planning.chunking import chunk_program
-from lightning_pipe.planning.cost_model import CostModel, LinearCost
+from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape
 from lightning_pipe.planning.memory_model import (
     FULL,
     NONE,
@@ -56,11 +69,12 @@ from lightning_pipe.planning.microbatching import (
     microbatch_shapes,
     sample_costs,
 )
-from lightning_pipe.planning.partition import plan_partition
+from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.schedules import Schedule, resolve_schedule
 
 __all__ = [
+    "JointCache",
     "JointCandidate",
     "JointConfig",
     "JointPlan",
@@ -71,6 +85,8 @@ __all__ = [
 ]
 
 EVEN, BALANCED = "even", "balanced"
+PRUNED = "pruned"  # a group not priced: its bound was above the best plan found
+BOUNDED = "bounded"  # a partition not priced: its step without a memory plan was above the best plan found
 
 
 @dataclass(frozen=True)
@@ -88,9 +104,12 @@ class JointConfig:
         relative_gap: partitions within this fraction of the optimum are accepted (faster; the
             stated gap accounts for it).
         memory_time_limit: seconds the MILP may take per memory plan.
-        partition_time_limit: seconds a partition search under the budget may take (the best found
-            is used after; proving that nothing fits can be slow). The unconstrained search that gives
-            the lower bound always runs to the end.
+        partition_time_limit: seconds one partition search may take (the best found is used after,
+            and the bound it could still prove is stated: the gap grows, it is never understated).
+        time_limit: seconds the whole search may take; None: no limit. Once spent, the (family,
+            microbatching) groups not yet searched are left out with the bound known without a
+            search, and searches in flight stop at what is left. For planning that must end within
+            a step (lookahead).
     """
 
     families: tuple = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b")
@@ -102,6 +121,7 @@ class JointConfig:
     relative_gap: float = 0.0
     memory_time_limit: float = 5.0
     partition_time_limit: float | None = 5.0
+    time_limit: float | None = None
 
     def counts(self, num_ranks: int) -> tuple[int, ...]:
         """The microbatch counts for ``num_ranks`` pipeline ranks."""
@@ -115,9 +135,13 @@ class JointCandidate:
     Attributes:
         plan: the plan (memory None: nothing recomputed or offloaded).
         microbatching: ``"even"`` or ``"balanced"``.
-        origin: how its partition was found (``free``, ``fit``, ``recompute``, ``current``).
-        step_seconds: simulated step time with the memory plan (inf if nothing fits).
-        lower_bound_seconds: the bound for its (family, microbatching).
+        origin: how its partition was found (``free``, ``fit``, ``recompute``, ``current``, ``given``),
+            or ``pruned``: its (family, microbatching) was not priced because its bound was above the
+            best plan found (the plan is the unconstrained partition, not priced), or ``bounded``: this
+            partition was not given a memory plan because its step without one was above the best found.
+        step_seconds: simulated step time with the memory plan (inf if nothing fits, pruned or bounded).
+        lower_bound_seconds: the bound for its (family, microbatching); for ``bounded``, its own step
+            without a memory plan.
     """
 
     plan: PipelinePlan
@@ -154,14 +178,23 @@ class JointPlan:
     def best_where(self, **fixed: object) -> float:
         """The best step time among candidates whose plan has the given parts (``schedule=``,
         ``boundaries=``, ``num_microbatches=``, ``microbatching=``, ``memory=None``): what the plan
-        would cost with those levers held."""
+        would cost with those levers held. A pruned (family, microbatching) or a bounded partition that
+        could hold them counts with its lower bound, so the result is then a lower bound of that cost."""
         best = math.inf
         for c in self.candidates:
             values = {
                 "schedule": c.plan.schedule.name, "boundaries": c.plan.boundaries,
                 "num_microbatches": c.plan.num_microbatches, "microbatching": c.microbatching, "memory": c.plan.memory,
             }
-            if all(values[k] == v for k, v in fixed.items()):
+            if c.origin == PRUNED:
+                if all(
+                    values[k] == v for k, v in fixed.items() if k not in ("boundaries", "memory")
+                ) and ("boundaries" not in fixed or len(fixed["boundaries"]) == len(c.plan.boundaries)):
+                    best = min(best, c.lower_bound_seconds)
+            elif c.origin == BOUNDED:
+                if all(values[k] == v for k, v in fixed.items() if k != "memory"):
+                    best = min(best, c.lower_bound_seconds)
+            elif all(values[k] == v for k, v in fixed.items()):
                 best = min(best, c.step_seconds)
         return best
 
@@ -247,6 +280,57 @@ def evaluate_plan(
     )
 
 
+class JointCache:
+    """Results of :func:`plan_joint`'s searches kept for later batches (and later calls).
+
+    A partition search depends on the cost model, the microbatch shapes, the family, the rank count,
+    the memory limit and the search settings; a memory plan also on the partition, the memory profile
+    and the memory planner's settings. Batches whose microbatches have the same shapes (a fixed-length
+    dataset, or a length signature that comes back) reuse them instead of searching again. The cache
+    belongs to one (cost model, profile, config): given another, it starts empty. Searches stopped by
+    a time limit are reused as found (their stated bounds stay valid), so a plan, once made, is
+    repeatable. Thread-safe (a lookahead thread and the training thread may share it).
+
+    Args:
+        max_entries: entries kept per kind (least recently used dropped first).
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._owner: tuple | None = None
+        self._partitions: OrderedDict = OrderedDict()
+        self._evaluations: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def bind(self, cost_model: CostModel, profile: MemoryProfile | None, config: JointConfig) -> None:
+        """Use the cache for these inputs; forget everything if they are not the ones of before."""
+        config = dataclasses.replace(config, time_limit=None)  # the deadline does not change what a search finds
+        with self._lock:
+            owner = self._owner
+            if owner is None or owner[0] is not cost_model or owner[1] is not profile or owner[2] != config:
+                self._partitions.clear()
+                self._evaluations.clear()
+                self._owner = (cost_model, profile, config)
+
+    def _get(self, table: OrderedDict, key: Any) -> Any:
+        with self._lock:
+            if key in table:
+                table.move_to_end(key)
+                self.hits += 1
+                return table[key]
+            self.misses += 1
+            return None
+
+    def _put(self, table: OrderedDict, key: Any, value: Any) -> None:
+        with self._lock:
+            table[key] = value
+            table.move_to_end(key)
+            while len(table) > self.max_entries:
+                table.popitem(last=False)
+
+
 def plan_joint(
     cost_model: CostModel,
     lengths: Sequence[int],
@@ -258,6 +342,7 @@ def plan_joint(
     current: PipelinePlan | None = None,
     partitions: Sequence[Sequence[int]] = (),
     migration: Callable[[PipelinePlan], float] | None = None,
+    cache: JointCache | None = None,
 ) -> JointPlan:
     """The fastest (partition, family, microbatching, memory plan) for one batch under ``budget``.
 
@@ -272,6 +357,7 @@ def plan_joint(
         partitions: more partitions to price where their stage count fits a family (static ones).
         migration: seconds of moving from the plan in use to a plan; the choice minimises step plus
             migration seconds. None: moving is free.
+        cache: searches of earlier calls to reuse (:class:`JointCache`); None: search everything.
 
     Returns:
         The :class:`JointPlan` (its ``gap`` is the stated optimality gap).
@@ -280,18 +366,19 @@ def plan_joint(
         MemoryBudgetError: if no candidate fits ``budget``.
     """
     started = time.perf_counter()
+    given_profile = profile
     profile = profile or memory_profile_from_cost_model(cost_model)
-    recompute_model = cost_model.with_full_recompute()
-    limit = None if budget is None else float(budget)
-    candidates: list[JointCandidate] = []
-    bounds: list[float] = []
+    if cache is not None:
+        cache.bind(cost_model, given_profile, config)  # None: the profile is a function of the cost model
+    search = _JointSearch(cost_model, profile, num_ranks, None if budget is None else float(budget), config, cache)
     per_sample = sample_costs(lengths, cost_model)
+    groups = []
     for spec in config.families:
         schedule = resolve_schedule(spec)
         if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
             continue
         for count in config.counts(num_ranks):
-            splits = {}
+            splits: dict[tuple[int, ...], str] = {}
             for mode in config.microbatching:
                 if mode == EVEN:
                     sizes = even_microbatch_sizes(len(lengths), count)
@@ -299,10 +386,35 @@ def plan_joint(
                     sizes = balance_microbatch_sizes(per_sample, count)
                 splits.setdefault(sizes, mode)  # balanced == even: price once
             for sizes, mode in splits.items():
-                _price(
-                    candidates, bounds, cost_model, recompute_model, profile, lengths, schedule, sizes, mode,
-                    num_ranks, limit, config, current, partitions,
-                )
+                if not _runs(schedule, num_ranks, len(sizes)):
+                    continue
+                shapes = tuple(microbatch_shapes(lengths, sizes))
+                groups.append(search.group(schedule, sizes, mode, shapes))
+    # Branch and bound over the (family, microbatching) groups, the most promising first (the best
+    # partition a quick local search finds): a group whose lower bound is above the best step plus
+    # migration found cannot hold the choice (memory plans and moves only add time), and a group's
+    # exact search only looks below it.
+    price = migration or (lambda plan: 0.0)
+    candidates: list[JointCandidate] = []
+    moves: dict[int, float] = {}
+    best_total = math.inf
+    bounds = []
+    for group in sorted(groups, key=lambda g: (g.quick.step_seconds, g.bound)):
+        if group.bound > best_total or (search.out_of_time() and math.isfinite(best_total)):
+            bounds.append(group.bound)
+            candidates.append(group.pruned())
+            continue
+        search.found_any = math.isfinite(best_total)
+        group = search.search_free(group, best_total)
+        bounds.append(group.bound)
+        if group.free.step_seconds >= best_total:  # nothing in the group is faster than the best found
+            candidates.append(group.pruned())
+            continue
+        for candidate in search.price(group, current, partitions, best_total, price):
+            candidates.append(candidate)
+            if math.isfinite(candidate.step_seconds):
+                moves[id(candidate)] = price(candidate.plan)
+                best_total = min(best_total, candidate.step_seconds + moves[id(candidate)])
     lower = min(bounds, default=math.inf)
     fitting = [c for c in candidates if math.isfinite(c.step_seconds)]
     if not fitting:
@@ -310,8 +422,6 @@ def plan_joint(
             f"No plan fits the budget of {budget} bytes per device with families {list(config.families)} and "
             f"microbatch counts {list(config.counts(num_ranks))}: allow more microbatches, offload, or more stages."
         )
-    price = migration or (lambda plan: 0.0)
-    moves = {id(c): price(c.plan) for c in fitting}
     best = min(fitting, key=lambda c: (c.step_seconds + moves[id(c)], c.origin != "current", c.plan.schedule.name))
     fastest = min(c.step_seconds for c in fitting)
     gap = fastest / lower - 1.0 if lower > 0 else 0.0
@@ -321,40 +431,181 @@ def plan_joint(
     )
 
 
-def _price(
-    candidates: list[JointCandidate], bounds: list[float], cost_model: CostModel, recompute_model: CostModel,
-    profile: MemoryProfile, lengths: Sequence[int], schedule: Schedule, sizes: tuple[int, ...], mode: str,
-    num_ranks: int, limit: float | None, config: JointConfig, current: PipelinePlan | None,
-    extra: Sequence[Sequence[int]],
-) -> None:
-    shapes = microbatch_shapes(lengths, sizes)
-    count = len(shapes)
+@functools.lru_cache(maxsize=256)
+def _runs(schedule: Schedule, num_ranks: int, count: int) -> bool:
+    """Whether the family builds a program for this many microbatches."""
     try:
         schedule.build(num_ranks, count)
-    except (ValueError, AssertionError):  # the family does not run this many microbatches
-        return
-    partitions: dict[tuple[int, ...], str] = {}
-    gap = config.relative_gap
-    free = plan_partition(cost_model, shapes, schedule, num_ranks, None, relative_gap=gap)
-    bound = free.step_seconds / (1.0 + gap)
-    bounds.append(bound)
-    partitions[free.boundaries] = "free"
-    if limit is not None and not free.fits(limit):
-        for model, origin in ((cost_model, "fit"), (recompute_model, "recompute")):
-            try:
-                found = plan_partition(
-                    model, shapes, schedule, num_ranks, limit, relative_gap=gap, time_limit=config.partition_time_limit
+    except (ValueError, AssertionError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One (family, microbatching) of the search: its best unconstrained partition (``quick``: from a
+    local search; ``free``: from the exact search, once made) and a lower bound of its step time."""
+
+    schedule: Schedule
+    sizes: tuple[int, ...]
+    mode: str
+    shapes: tuple[MicrobatchShape, ...]
+    quick: PartitionPlan
+    bound: float
+    free: PartitionPlan | None = None
+
+    def plan(self, boundaries: tuple[int, ...]) -> PipelinePlan:
+        return PipelinePlan(boundaries, self.schedule, len(self.sizes), None, self.sizes if self.mode == BALANCED else None)
+
+    def pruned(self) -> JointCandidate:
+        found = self.free or self.quick
+        return JointCandidate(self.plan(found.boundaries), self.mode, PRUNED, math.inf, self.bound)
+
+
+class _JointSearch:
+    """The searches of one :func:`plan_joint` call, through the cache when there is one."""
+
+    def __init__(
+        self, cost_model: CostModel, profile: MemoryProfile, num_ranks: int, limit: float | None,
+        config: JointConfig, cache: JointCache | None,
+    ) -> None:
+        self.cost_model, self.profile, self.num_ranks, self.limit = cost_model, profile, num_ranks, limit
+        self.config, self.cache = config, cache
+        self.recompute_model: CostModel | None = None
+        self.deadline = None if config.time_limit is None else time.perf_counter() + config.time_limit
+        self.found_any = False
+
+    def out_of_time(self) -> bool:
+        """Whether ``config.time_limit`` is spent."""
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def search_seconds(self) -> float | None:
+        """Seconds the next partition search may take: its own limit, within what the whole search has left."""
+        limit = self.config.partition_time_limit
+        if self.deadline is None or not self.found_any:  # until one plan fits, searches get their own limit
+            return limit
+        left = max(0.0, self.deadline - time.perf_counter())
+        return left if limit is None else min(limit, left)
+
+    def partition(
+        self, kind: str, schedule: Schedule, shapes: tuple, limit: float | None, cutoff: float = math.inf,
+        time_limit: float | None = None, candidates: Sequence[Sequence[int]] = (),
+    ) -> PartitionPlan | None:
+        """``plan_partition`` with the no-recompute (``quick``, ``free``, ``fit``) or all-recompute
+        (``recompute``) model; None if nothing fits (or nothing faster than ``cutoff`` was found).
+        Reused from the cache where a search with this cutoff would find the same."""
+        key = (kind, schedule, shapes, self.num_ranks, limit)
+        kept = None if self.cache is None else self.cache._get(self.cache._partitions, key)
+        if kept is not None:
+            found, searched_below = kept
+            if (found is not None and found.step_seconds < searched_below) or cutoff <= searched_below:
+                return found
+        if kind == "recompute":
+            if self.recompute_model is None:
+                self.recompute_model = self.cost_model.with_full_recompute()
+            model = self.recompute_model
+        else:
+            model = self.cost_model
+        try:
+            found = plan_partition(
+                model, shapes, schedule, self.num_ranks, limit, relative_gap=self.config.relative_gap,
+                time_limit=time_limit, cutoff_seconds=None if math.isinf(cutoff) else cutoff, candidates=candidates,
+            )
+        except ValueError:
+            found = None
+        if self.cache is not None and (kind == "quick" or time_limit == self.config.partition_time_limit):  # not cut short
+            self.cache._put(self.cache._partitions, key, (found, cutoff))
+        return found
+
+    def group(self, schedule: Schedule, sizes: tuple[int, ...], mode: str, shapes: tuple) -> _Group:
+        """The group with its quick partition (seeds and local search only) and the bound that needs no search."""
+        quick = self.partition("quick", schedule, shapes, None, time_limit=0.0)
+        assert quick is not None  # without a limit every partition fits
+        return _Group(schedule, sizes, mode, shapes, quick, quick.lower_bound_seconds)
+
+    def search_free(self, group: _Group, cutoff: float) -> _Group:
+        """The group with its exact unconstrained partition below ``cutoff`` (the best one otherwise
+        found) and the search's bound (at least ``cutoff / (1 + relative_gap)`` when nothing is faster)."""
+        free = self.partition(
+            "free", group.schedule, group.shapes, None, cutoff, self.search_seconds(),
+            candidates=[group.quick.boundaries],
+        )
+        assert free is not None
+        return dataclasses.replace(group, free=free, bound=max(group.bound, free.lower_bound_seconds))
+
+    def evaluate(self, plan: PipelinePlan, shapes: tuple) -> tuple[float, PipelinePlan]:
+        key = (plan.boundaries, plan.schedule, shapes, self.limit)
+        kept = None if self.cache is None else self.cache._get(self.cache._evaluations, key)
+        if kept is None:
+            kept = _plan_memory_for(self.cost_model, self.profile, self.config, plan, shapes, self.num_ranks, self.limit)
+            if self.cache is not None:
+                self.cache._put(self.cache._evaluations, key, kept)
+        seconds, memory = kept
+        return seconds, PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, memory, plan.microbatch_sizes)
+
+    def price(
+        self, group: _Group, current: PipelinePlan | None, extra: Sequence[Sequence[int]], best_total: float,
+        migration: Callable[[PipelinePlan], float],
+    ) -> list[JointCandidate]:
+        """Every candidate partition of ``group`` with its fastest memory plan, unless its step without a
+        memory plan already exceeds the best step plus migration found (memory plans only add time,
+        moves cost at least nothing): then it is kept as ``bounded``, unpriced. ``fit`` is searched
+        only below that best."""
+        partitions: dict[tuple[int, ...], str] = {group.free.boundaries: "free"}
+        found = []
+        best = best_total
+
+        def add(boundaries: tuple[int, ...], origin: str) -> float:
+            nonlocal best
+            plan = group.plan(boundaries)
+            floor = group.free.step_seconds if boundaries == group.free.boundaries else self.unconstrained(plan, group)
+            if floor > best:
+                found.append(JointCandidate(plan, group.mode, BOUNDED, math.inf, floor))
+                return math.inf
+            seconds, planned = self.evaluate(plan, group.shapes)
+            found.append(JointCandidate(planned, group.mode, origin, seconds, group.bound))
+            if math.isfinite(seconds):
+                best = min(best, seconds + migration(planned))
+            return seconds
+
+        if self.limit is not None and not group.free.fits(self.limit):
+            add(group.free.boundaries, "free")
+            for kind in ("fit", "recompute"):
+                result = self.partition(
+                    kind, group.schedule, group.shapes, self.limit, best if kind == "fit" else math.inf,
+                    self.search_seconds(),
                 )
-            except ValueError:
-                continue
-            partitions.setdefault(found.boundaries, origin)
-    num_stages = num_ranks * schedule.stages_per_rank
-    if current is not None and len(current.boundaries) - 1 == num_stages:
-        partitions.setdefault(tuple(current.boundaries), "current")
-    for boundaries in extra:
-        if len(boundaries) - 1 == num_stages:
-            partitions.setdefault(tuple(int(b) for b in boundaries), "given")
-    for boundaries, origin in partitions.items():
-        plan = PipelinePlan(boundaries, schedule, count, None, sizes if mode == BALANCED else None)
-        seconds, planned = evaluate_plan(cost_model, lengths, plan, num_ranks, limit, profile=profile, config=config)
-        candidates.append(JointCandidate(planned, mode, origin, seconds, bound))
+                if result is not None:
+                    partitions.setdefault(result.boundaries, kind)
+        num_stages = self.num_ranks * group.schedule.stages_per_rank
+        if current is not None and len(current.boundaries) - 1 == num_stages:
+            partitions.setdefault(tuple(current.boundaries), "current")
+        for boundaries in extra:
+            if len(boundaries) - 1 == num_stages:
+                partitions.setdefault(tuple(int(b) for b in boundaries), "given")
+        for boundaries, origin in partitions.items():
+            if found and boundaries == group.free.boundaries:
+                continue  # priced above
+            add(boundaries, origin)
+        return found
+
+    def unconstrained(self, plan: PipelinePlan, group: _Group) -> float:
+        """Simulated step of ``plan``'s partition without a memory plan (a lower bound of it with any)."""
+        return evaluate_partition(self.cost_model, list(group.shapes), group.schedule, self.num_ranks, plan.boundaries).step_seconds
+
+
+def _plan_memory_for(
+    cost_model: CostModel, profile: MemoryProfile, config: JointConfig, plan: PipelinePlan, shapes: Sequence,
+    num_ranks: int, limit: float | None,
+) -> tuple[float, MemoryPlan | None]:
+    """Simulated seconds of ``plan``'s partition with its fastest memory plan under ``limit`` (inf if none fits)."""
+    program = plan.schedule.build(num_ranks, len(shapes))
+    try:
+        result = plan_memory(
+            program, plan.boundaries, list(shapes), profile, math.inf if limit is None else limit, cost_model=cost_model,
+            options=config.memory_options, method=config.memory_method, host_bandwidth=config.host_bandwidth,
+            time_limit=config.memory_time_limit,
+        )
+    except MemoryBudgetError:
+        return math.inf, None
+    return result.step_seconds, None if result.plan.is_empty else result.plan

@@ -318,6 +318,36 @@ def _event_bytes(problem: _Problem, counts, window, pair, forward: bool) -> floa
     return total
 
 
+class _CheckBytes:
+    """:func:`_event_bytes` of every check at once (the greedy's scan of all checks, vectorized)."""
+
+    def __init__(self, problem: _Problem, checks: list) -> None:
+        self.problem = problem
+        num_microbatches = problem.base.shape[1]
+        self.windows = np.zeros((len(checks), problem.base.size))  # [check, stage * microbatch]: 1 if alive
+        for i, (_, window, _, _) in enumerate(checks):
+            for s, m in window:
+                self.windows[i, s * num_microbatches + m] = 1.0
+        self.rooms = np.array([room for room, _, _, _ in checks], dtype=float)
+        self.has_pair = np.array([pair is not None for _, _, pair, _ in checks], dtype=bool)
+        pairs = [pair if pair is not None else (0, 0) for _, _, pair, _ in checks]
+        self.stages = np.array([s for s, _ in pairs], dtype=int)
+        self.microbatches = np.array([m for _, m in pairs], dtype=int)
+        self.forward = np.array([forward for _, _, _, forward in checks], dtype=bool)
+
+    def of(self, counts: dict[str, np.ndarray]) -> np.ndarray:
+        """Bytes at every check under ``counts`` (as :func:`_event_bytes` sums them)."""
+        problem, s, m = self.problem, self.stages, self.microbatches
+        kept = problem.base - sum(counts[o] * problem.gain[o] for o in _OPTIONS)
+        total = self.windows @ kept.ravel()
+        offloaded = np.where(counts[OFFLOAD][s, m] > 0, problem.gain[OFFLOAD][s, m], 0.0)
+        transients = np.stack([np.where(counts[o][s, m] > 0, problem.transient[o][s, m], -np.inf) for o in _OPTIONS])
+        transient = transients.max(axis=0)
+        transient = np.where(np.isneginf(transient), 0.0, transient)
+        extra = np.where(self.forward, offloaded, transient)
+        return total + np.where(self.has_pair, extra, 0.0)
+
+
 def plan_greedy(problem: _Problem, start: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray] | None:
     """Greedy counts that fit the budget, or None if no step helps any more."""
     counts = {o: a.copy() for o, a in (start or _zero_counts(problem)).items()}
@@ -325,15 +355,13 @@ def plan_greedy(problem: _Problem, start: dict[str, np.ndarray] | None = None) -
     for rank in range(problem.program.num_ranks):
         static = sum(problem.static_stage[s] for s in problem.program.stages_of(rank))
         checks += [(problem.budget - static, w, p, f) for w, p, f in _windows(problem.program, rank)]
+    all_bytes = _CheckBytes(problem, checks)
     for _ in range(int(problem.blocks.sum() * problem.base.shape[1] * 3) + 1):
-        worst = None
-        for room, window, pair, forward in checks:
-            excess = _event_bytes(problem, counts, window, pair, forward) - room
-            if excess > 1e-6 * max(problem.budget, 1.0) and (worst is None or excess > worst[0]):
-                worst = (excess, room, window, pair, forward)
-        if worst is None:
+        excess = all_bytes.of(counts) - all_bytes.rooms
+        index = int(np.argmax(excess)) if len(checks) else 0
+        if not len(checks) or not excess[index] > 1e-6 * max(problem.budget, 1.0):
             return counts
-        _, room, window, pair, forward = worst
+        room, window, pair, forward = checks[index]
         before = _event_bytes(problem, counts, window, pair, forward)
         best = None
         tiny = 1e-12 * max(float(problem.forward.max()), 1e-30)

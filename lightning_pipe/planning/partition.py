@@ -19,7 +19,12 @@ How it stays exact without simulating all ``C(L-1, S-1)`` partitions (2.6 millio
 
 Memory needs no bound: which saved activations are alive after each action depends on the program
 order only, so the simulator's peak memory is computed exactly per stage range and infeasible
-ranges are cut before the search. The simpler recipe of bisecting on the bottleneck stage time and
+ranges are cut before the search; with several stages per rank, a rank's exact peak is checked as
+soon as its last stage is placed, so partitions that do not fit are cut inside the search.
+
+A caller that only needs partitions faster than some step (``cutoff_seconds``) makes the proof
+cheap; a search stopped by ``time_limit`` states the bound it could still prove
+(``lower_bound_seconds``: the smallest bound of the subtrees it had left). The simpler recipe of bisecting on the bottleneck stage time and
 simulating the Pareto candidates is exact only when the step time depends on the bottleneck alone;
 with variable-length microbatches the fill and drain depend on which stages are slow.
 """
@@ -76,6 +81,9 @@ class PartitionPlan:
         planning_seconds: wall-clock seconds spent planning (or evaluating).
         num_simulations: partitions simulated to find and prove the plan (most in batches).
         proven_optimal: True when no other feasible partition has a shorter simulated step.
+        lower_bound_seconds: no partition that fits has a shorter simulated step than this: the step
+            time itself when proven optimal (divided by ``1 + relative_gap`` when one was given), else
+            the strongest bound the search had when it stopped (``time_limit``). 0 when unknown.
     """
 
     boundaries: tuple[int, ...]
@@ -84,6 +92,7 @@ class PartitionPlan:
     planning_seconds: float
     num_simulations: int = 1
     proven_optimal: bool = False
+    lower_bound_seconds: float = 0.0
 
     def fits(self, memory_limit: float | None) -> bool:
         """True when every rank's peak memory is within ``memory_limit`` bytes (None: no limit)."""
@@ -197,24 +206,37 @@ class _Search:
         output = tables.output_bytes[np.maximum(unit_stop - 1, 0)]  # [stage, b, microbatch]
         seconds = (0.0 if math.isinf(cost_model.bandwidth) else output / cost_model.bandwidth) + cost_model.latency
         self.transfer = np.broadcast_to(seconds[:, None], self.forward.shape)
-        # Per-stage memory (static + alive saved bytes of that stage alone): the rank's memory with
-        # one stage per rank, a lower bound of it with several.
-        stage_memory = np.empty(valid.shape)
-        for s in range(num_stages):
-            moments = np.unique(self.analysis.alive[program.rank_of(s)][:, s, :], axis=0)
-            alive = np.einsum("tm,abm->tab", moments, self.saved[s]).max(axis=0) if moments.size else 0.0
-            stage_memory[s] = self.static[s] + np.maximum(alive, 0.0)
-        self.stage_memory = np.where(valid, stage_memory, np.inf)
+        self.stage_memory = self._stage_memory(valid) if memory_limit is not None else None  # no limit: not needed
         self.one_stage_per_rank = len(set(program.stage_to_rank)) == num_stages
         # The limit gets the tie tolerance: prefix sums and the simulator's sums round differently.
         self.limit = None if memory_limit is None else memory_limit * (1.0 + _RELATIVE_TOLERANCE)
         self.allowed = valid if self.limit is None else valid & (self.stage_memory <= self.limit)
+        # Stages after which a rank of several stages has all of them placed: its exact peak is known
+        # there, so the search drops partitions that do not fit at that depth instead of at the leaves.
+        self.completes: dict[int, int] = {}
+        if self.limit is not None and not self.one_stage_per_rank:
+            for rank in range(program.num_ranks):
+                own = list(program.stages_of(rank))
+                if len(own) > 1:
+                    self.completes[max(own)] = rank
         self.tables = np.zeros((0,) + valid.shape)
         self.rest = np.zeros((0, num_stages + 1, size))
         self.num_evaluated = 0
         self.excluded: set[tuple[int, ...]] = set()
+        self.round_bound = -np.inf  # see lowest_bounds
         for chain in self.analysis.rank_chains:
             self.add_chain(chain)
+
+    def _stage_memory(self, valid: np.ndarray) -> np.ndarray:
+        """Per stage and block range, the memory of that stage alone (static + alive saved bytes): the
+        rank's memory with one stage per rank, a lower bound of it with several."""
+        program = self.program
+        stage_memory = np.empty(valid.shape)
+        for s in range(self.num_stages):
+            moments = np.unique(self.analysis.alive[program.rank_of(s)][:, s, :], axis=0)
+            alive = np.einsum("tm,abm->tab", moments, self.saved[s]).max(axis=0) if moments.size else 0.0
+            stage_memory[s] = self.static[s] + np.maximum(alive, 0.0)
+        return np.where(valid, stage_memory, np.inf)
 
     def add_chain(self, chain: Chain) -> None:
         """Tabulate a chain over (stage, first block, end block) and its best completion."""
@@ -231,6 +253,39 @@ class _Search:
             rest[s] = (table[s] + rest[s + 1][None, :]).min(axis=1)
         self.tables = np.concatenate([self.tables, table[None]])
         self.rest = np.concatenate([self.rest, rest[None]])
+
+    def global_lower_bound(self) -> float:
+        """A step time no partition that fits memory stage by stage can beat, without a search.
+
+        Two valid bounds, the larger is returned: every chain's own smallest sum over partitions
+        (``max_k min_P chain_k(P) <= min_P max_k chain_k(P)``), and the total work spread evenly over
+        the ranks (the sum of all stages' forward and backward seconds does not depend on the
+        partition, and the busiest rank does at least its share).
+        """
+        chains = float(self.rest[:, 0, 0].max()) if len(self.rest) else 0.0
+        any_partition = uniform_partition(self.num_blocks, self.num_stages)
+        work = sum(
+            float(self.forward[s, a, b].sum() + self.backward[s, a, b].sum())
+            for s, (a, b) in enumerate(zip(any_partition[:-1], any_partition[1:]))
+        )
+        return max(chains, work / self.program.num_ranks)
+
+    def rank_fits(self, stage: int, prefix: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """For partial partitions ``prefix`` ``[P, stage + 1]`` (boundaries up to ``stage``'s first
+        block) ending ``stage`` at ``end`` ``[P]``: whether the rank that ``stage`` completes fits the
+        limit (the same accounting as :meth:`fit_mask`)."""
+        rank = self.completes[stage]
+        moments = self.analysis.alive[rank]  # [moment, stage, microbatch]
+        first = prefix[:, stage]
+        static = self.static[stage, first, end].copy()
+        alive = self.saved[stage, first, end] @ moments[:, stage, :].T  # [P, moment]
+        for other in self.program.stages_of(rank):
+            if other != stage:
+                a, b = prefix[:, other], prefix[:, other + 1]
+                static += self.static[other, a, b]
+                alive += self.saved[other, a, b] @ moments[:, other, :].T
+        peak = static + np.maximum(alive.max(axis=1, initial=0.0), 0.0)
+        return peak <= self.limit
 
     def fit_mask(self, bounds: np.ndarray) -> np.ndarray:
         """Which partitions ``[N, S + 1]`` fit ``memory_limit`` on every rank (exact)."""
@@ -301,23 +356,29 @@ class _Search:
         result is exactly the ``count`` smallest bounds, and empty only if no partition has a bound
         below ``threshold`` (the proof of optimality). With ``budget``, the walk stops once it has
         expanded that many nodes and found at least one leaf.
+
+        Afterwards ``round_bound`` is a lower bound on the chain bound of every partition that fits:
+        the smallest of ``threshold``, the returned partitions' bounds and the bounds of the subtrees
+        left unexplored (everything cut was cut at a limit at least one of these).
         """
         last, num_blocks = self.num_stages - 1, self.num_blocks
         chunk = max(64, 2_000_000 // (len(self.tables) * (num_blocks + 1)))
         found_bounds = np.zeros(0)
         found = np.zeros((0, self.num_stages + 1), dtype=int)
-        stack = [(0, np.zeros(1, dtype=int), np.zeros((1, len(self.tables))), np.zeros((1, 1), dtype=int))]
+        stack = [(0, np.zeros(1, dtype=int), np.zeros((1, len(self.tables))), np.zeros((1, 1), dtype=int), -np.inf)]
         expanded = 0
         while stack:
             if budget is not None and expanded > budget and len(found):
                 break
-            s, first, partial, prefix = stack.pop()
+            s, first, partial, prefix, _ = stack.pop()
             expanded += len(first)
             limit = threshold if len(found) < count else float(found_bounds.max())
             values = partial[:, :, None] + np.transpose(self.tables[:, s, first, :], (1, 0, 2))  # [N, K, L+1]
             if s == last:
                 bound = values[:, :, num_blocks].max(axis=1)
                 keep = bound < limit
+                if s in self.completes and keep.any():
+                    keep[keep] = self.rank_fits(s, prefix[keep], np.full(int(keep.sum()), num_blocks))
                 leaves = np.concatenate([prefix[keep], np.full((int(keep.sum()), 1), num_blocks)], axis=1)
                 bound = bound[keep]
                 if self.excluded:
@@ -331,13 +392,20 @@ class _Search:
                 continue
             completion = (values + self.rest[None, :, s + 1, :]).max(axis=1)  # [N, L+1]
             node, end = np.nonzero(completion < limit)
+            if s in self.completes and len(node):
+                fits = self.rank_fits(s, prefix[node], end)
+                node, end = node[fits], end[fits]
             if len(node) == 0:
                 continue
             order = np.argsort(completion[node, end], kind="stable")
             node, end = node[order], end[order]
+            floors = completion[node, end]  # ascending: a chunk's first is its subtrees' smallest bound
             children = (end, values[node, :, end], np.concatenate([prefix[node], end[:, None]], axis=1))
             for start in range(((len(node) - 1) // chunk) * chunk, -1, -chunk):  # best chunk on top
-                stack.append((s + 1, *(part[start : start + chunk] for part in children)))
+                stack.append((s + 1, *(part[start : start + chunk] for part in children), float(floors[start])))
+        self.round_bound = min(
+            [threshold, float(found_bounds.min(initial=np.inf))] + [entry[-1] for entry in stack]
+        )
         return found[np.argsort(found_bounds, kind="stable")]
 
     def seeds(self, candidates: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -376,6 +444,7 @@ def plan_partition(
     candidates: Sequence[Sequence[int]] = (),
     relative_gap: float = 0.0,
     time_limit: float | None = None,
+    cutoff_seconds: float | None = None,
 ) -> PartitionPlan:
     """Contiguous stage boundaries minimizing the simulated step time of one batch.
 
@@ -396,15 +465,21 @@ def plan_partition(
         candidates: partitions to try first, such as the one in use; they only speed the search.
         relative_gap: accept a plan within this fraction of the optimum (0: exact); speeds the search.
         time_limit: stop the search after this many seconds and return the best partition found
-            (``proven_optimal`` False); None: search to the end. Proving that nothing fits a tight
-            ``memory_limit`` can take long with several stages per rank.
+            (``proven_optimal`` False, ``lower_bound_seconds`` what the search could still prove);
+            None: search to the end. Proving that nothing fits a tight ``memory_limit`` can take long
+            with several stages per rank.
+        cutoff_seconds: only partitions faster than this are wanted (a caller's best plan so far):
+            the search skips every partition whose bound is not below it, which makes proving that
+            nothing better fits fast. A partition found faster than the cutoff is exact as without it;
+            otherwise the best partition the seeds gave is returned (``proven_optimal`` False).
 
     Returns:
         The :class:`PartitionPlan`.
 
     Raises:
         ValueError: if no partition fits ``memory_limit`` (the message gives the minimum memory
-            needed and what to change), if there are fewer blocks than stages, or for bad arguments.
+            needed and what to change), or, with ``cutoff_seconds`` or ``time_limit``, if no partition
+            that fits was found; if there are fewer blocks than stages; for bad arguments.
     """
     started = time.perf_counter()
     if len(microbatches) == 0:
@@ -421,6 +496,7 @@ def plan_partition(
             f"{program.name!r} on num_ranks={num_ranks} needs {program.num_stages} stages."
         )
     search = _Search(cost_model, microbatches, analysis, memory_limit)
+    cutoff = math.inf if cutoff_seconds is None else float(cutoff_seconds)
     seeds = search.seeds(candidates)
     seconds = search.evaluate(np.array(seeds))
     best_index = int(np.argmin(seconds))
@@ -433,7 +509,7 @@ def plan_partition(
         if time_limit is not None and time.perf_counter() - started > time_limit:
             timed_out = True
             break
-        threshold = best * (1.0 - _RELATIVE_TOLERANCE) / (1.0 + relative_gap)
+        threshold = min(best, cutoff) * (1.0 - _RELATIVE_TOLERANCE) / (1.0 + relative_gap)
         leaves = search.lowest_bounds(threshold, _LEAVES_PER_ROUND, _NODES_PER_ROUND)
         if len(leaves) == 0:
             break
@@ -447,13 +523,22 @@ def plan_partition(
     if not math.isfinite(best):
         if timed_out:
             raise ValueError(f"No partition that fits was found within `time_limit={time_limit}` seconds.")
+        if math.isfinite(cutoff):
+            raise ValueError(f"No partition that fits is faster than `cutoff_seconds={cutoff_seconds}`.")
         raise ValueError(search.infeasible_message())
     result = simulate(program, cost_model.stage_costs(incumbent, microbatches))
+    if timed_out:  # the last round's frontier, or the bounds that need no search, whichever is stronger
+        lower = min(result.makespan, max(search.round_bound * (1.0 - _RELATIVE_TOLERANCE), search.global_lower_bound()))
+    elif best < cutoff:  # proven (ties closer than the tolerance are equal, as for the plan itself)
+        lower = result.makespan / (1.0 + relative_gap)
+    else:  # every partition left has a bound of at least the last threshold (ties as above)
+        lower = cutoff / (1.0 + relative_gap)
     return PartitionPlan(
         boundaries=incumbent,
         step_seconds=result.makespan,
         peak_memory=result.peak_memory,
         planning_seconds=time.perf_counter() - started,
         num_simulations=search.num_evaluated + 1,
-        proven_optimal=relative_gap == 0.0 and not timed_out,
+        proven_optimal=relative_gap == 0.0 and not timed_out and best < cutoff,
+        lower_bound_seconds=lower,
     )

@@ -91,6 +91,7 @@ from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
 from lightning_pipe.strategies.plan_merging import PlanApplication, apply_proposals
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
+from lightning_pipe.strategies.auto_plan import PlanMode, check_plan_mode, install_auto_planner
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.optimizer_checks import check_optimizers
 from lightning_pipe.strategies.regrouping import Regrouping
@@ -187,6 +188,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             batch, and parameters, open gradients and optimizer state move between layouts
             (``strategies/regrouping.py``). Proposed by ``ElasticDepth`` or any ``PlanProposal`` with
             widths. 1F1B only; no memory plans, packing, optimizer offload or padding trimming.
+        plan: ``"static"`` (default): the plan changes only when callbacks propose it; ``"auto"``:
+            the strategy adds the joint planner (``AutoPlanner`` with its defaults) to the callbacks,
+            choosing partition, family, microbatching and memory plan per batch under
+            ``memory_budget``; refused with single-lever planners, a user's own ``AutoPlanner``, or the
+            ``recompute``/``offload`` arguments (``strategies/auto_plan.py``; docs/joint-planning.md).
     """
 
     strategy_name = "elastic_pipe"
@@ -216,8 +222,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
         async_save: bool = False,
         packing: bool | Packer = False,
         elastic_depth: bool = False,
+        plan: PlanMode = "static",
     ) -> None:
         super().__init__()
+        check_plan_mode(plan, recompute, offload)
+        self._plan_mode = plan
         check_loss_weights(loss_weights)
         self.packer: Packer | None = Packer() if packing is True else (packing or None)
         if self.packer is not None and not isinstance(self.packer, Packer):
@@ -295,6 +304,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds per (family, ranks, count)
         self._microbatch_sizes: tuple[int, ...] | None = None
         self._planned_chunks: PlannedChunks | None = None  # the plan's chunks (packing with slicing)
+        self._warned_sizes: set[tuple] = set()  # (sizes, batch size) pairs already warned about
         self._proposals: list[PlanProposal] = []
         self.last_application: PlanApplication | None = None  # how the latest step's plan was merged and applied
         if async_save and not save_distributed_checkpoint:
@@ -405,6 +415,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.regrouping.create_groups(self.world_size, self._timeout)
         self.sharded_checkpoints.group = create_checkpoint_group(self._timeout)
         self.sharded_checkpoints.global_rank = self.global_rank
+        if self._plan_mode == "auto":
+            install_auto_planner(self.lightning_module.trainer)
 
     @property
     def process_group_backend(self) -> str:
@@ -767,8 +779,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             batch: the batch.
             plan: whose microbatching to use (count and sizes); None: the running plan's. Sizes
                 that do not sum to this batch's samples (a validation batch after a sized training
-                batch) give way to an even split.
-            train: whether it is a training batch; None: whether the trainer is training.
+                batch) give way to an even split, with a warning when the training step runs it.
+            train: whether it is a training batch (True: the step runs it); None (a planner's look):
+                whether the trainer is training.
 
         Raises:
             ValueError: the batch cannot be cut unambiguously (``runtime/microbatch.py``).
@@ -779,6 +792,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         for seen, key, split in self._splits:
             if seen is batch and key == (count, sizes, chunks):
                 return split
+        warn_sizes = train is True  # the step itself runs it (planners' looks pass None)
         if train is None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             train = bool(trainer is not None and trainer.training)
@@ -795,10 +809,26 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 "The plan gives the batch's microbatches as chunks (`PipelinePlan.chunks`), which need "
                 "`ElasticPipelineStrategy(packing=Packer(max_tokens=..., slicing=True))`."
             )
+        key, sizes = (count, sizes, chunks), self._sizes_of(batch, sizes, warn=warn_sizes)
         planned = self._plan_microbatches(batch, count, sizes, trim=train and self._trim_padding)
         if planned.padding is not None and not self.trim_verdicts.get(planned.padding.layout, TrimVerdict(True)).exact:
             planned = self._plan_microbatches(batch, count, sizes, trim=False)
-        return self._keep_split(batch, (count, sizes, chunks), SplitBatch(planned, planned.split(batch)))
+        return self._keep_split(batch, key, SplitBatch(planned, planned.split(batch)))
+
+    def _sizes_of(self, batch: Any, sizes: tuple[int, ...] | None, warn: bool) -> tuple[int, ...] | None:
+        """The plan's microbatch sizes if they are this batch's, else None (an even split, exact as any): with a
+        warning (once per size pair) when the training step runs it (``warn``: its sizes were planned for another
+        batch), silently for a validation batch after a sized training batch or a planner's look at a batch."""
+        if sizes is None or sum(sizes) == (size := batch_size_of(batch, 0 if self._batch_dim is None else self._batch_dim)):
+            return sizes
+        if warn and (sizes, size) not in self._warned_sizes:
+            self._warned_sizes.add((sizes, size))
+            rank_zero_warn(
+                f"lightning-pipe: the plan's microbatch sizes {list(sizes)} sum to {sum(sizes)} samples but this training "
+                f"batch has {size}: it is split evenly instead (exact, not balanced). Sizes describe one batch: propose "
+                "them in `on_train_batch_start` for the batch at hand."
+            )
+        return None
 
     def _plan_microbatches(self, batch: Any, count: int, sizes: tuple[int, ...] | None, trim: bool) -> MicrobatchPlan:
         """``count`` microbatches of ``sizes`` (even when None or not this batch's: a validation batch after a

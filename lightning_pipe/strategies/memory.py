@@ -415,7 +415,11 @@ class StrategyMemory:
         plan: PipelinePlan | None = None, **planner_options: Any,
     ) -> MemoryPlanResult:
         """The fastest plan under ``budget`` for this batch (probing first if no profile yet), for the
-        running partition, family and microbatches, or those of ``plan`` (a draft being merged)."""
+        running partition, family and microbatches, or those of ``plan`` (a draft being merged).
+
+        The pipeline's first rank plans and sends the plan to the others (a collective of the
+        pipeline): the MILP stops at its time limit, which may come at different points on different
+        ranks, and every rank of a pipeline must run the same plan."""
         current = self.context.current()
         budget = self.budget if budget is None else budget
         if budget is None:
@@ -432,10 +436,17 @@ class StrategyMemory:
         elif len(shapes) != program.num_microbatches:  # a short batch, or packed: microbatches not the plan's count
             schedule = current.schedule if plan is None else plan.schedule
             program = self.context.program_for_plan(PipelinePlan(boundaries, schedule, len(shapes)))
-        result = plan_memory(
-            program, boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin),
-            chunks=self.chunk_memory(batch, plan), **options,
-        )
+        first = self.context.layout.pipeline_ranks()[0]
+        result = None
+        if self.context.global_rank == first:  # one rank decides: the MILP's time limit may end differently elsewhere
+            result = plan_memory(
+                program, boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin),
+                chunks=self.chunk_memory(batch, plan), **options,
+            )
+        if self.context.layout.pipeline_parallel_size > 1:
+            result = collectives.broadcast_object(
+                result, first, self.context.groups.pipeline, f"the memory plan of rank {first} (its pipeline's first)"
+            )
         self.last_result = result
         log.debug("memory plan (%s): %s", result.method, result.plan.to_dict())
         return result

@@ -70,6 +70,10 @@ class PipelineStrategy(Protocol):
         """Number of processes."""
 
     @property
+    def global_rank(self) -> int:
+        """This process's rank."""
+
+    @property
     def layout(self) -> RankLayout:
         """This process's place in the pipeline x data-parallel grid."""
 
@@ -94,3 +98,6 @@ class PipelineStrategy(Protocol):
 
     def gather_from_pipeline(self, obj: Any) -> list[Any] | None:
         """One object per pipeline rank on global rank 0 (None elsewhere)."""
+
+    def split_batch(self, batch: Any, plan: PipelinePlan | None = None, train: bool | None = None) -> Any:
+        """The microbatch plan of ``batch`` and its microbatches (a ``SplitBatch``), cut once."""

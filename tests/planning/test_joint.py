@@ -72,3 +72,30 @@ def test_partition_time_limit_returns_the_best_found():
     stopped = plan_partition(model, shapes, "1f1b", RANKS, time_limit=0.0)
     assert exact.proven_optimal and not stopped.proven_optimal
     assert stopped.step_seconds >= exact.step_seconds
+
+
+def test_pruning_and_the_cache_keep_the_plan_and_the_bound_is_valid():
+    """Branch and bound over the groups, cutoffs and the cache change how fast, not what can be chosen:
+    everything skipped has a bound at or above the chosen step, the choice is the best priced, a repeated
+    batch is planned from the cache, and a time limit on the whole search states a bound that still holds."""
+    from lightning_pipe.planning.joint import BOUNDED, PRUNED, JointCache
+
+    model = _model()
+    profile = memory_profile_from_cost_model(model)
+    unlimited = plan_joint(model, LENGTHS, RANKS, None, config=_config())
+    budget = 0.8 * _peak(unlimited.plan, profile)
+    cache = JointCache()
+    joint = plan_joint(model, LENGTHS, RANKS, budget, config=_config(), cache=cache)
+    priced = [c for c in joint.candidates if c.origin not in (PRUNED, BOUNDED)]
+    skipped = [c for c in joint.candidates if c.origin in (PRUNED, BOUNDED)]
+    # what was not priced could not have won: its bound is above the chosen plan's step
+    assert all(c.lower_bound_seconds >= joint.step_seconds * (1 - 1e-9) for c in skipped)
+    assert joint.step_seconds == min(c.step_seconds for c in priced)
+    for c in priced:  # every priced candidate is what evaluate_plan says (the cache returns the same)
+        assert evaluate_plan(model, LENGTHS, c.plan, RANKS, budget, plan_memory_too=False)[0] == pytest.approx(c.step_seconds)
+    misses = cache.misses
+    again = plan_joint(model, LENGTHS, RANKS, budget, config=_config(), cache=cache)
+    assert again.plan == joint.plan and cache.misses == misses and cache.hits > 0
+    hurried = plan_joint(model, LENGTHS, RANKS, budget, config=_config(time_limit=0.0))
+    assert hurried.lower_bound_seconds <= joint.step_seconds + 1e-12  # a bound of the optimum, never above it
+    assert hurried.step_seconds >= joint.lower_bound_seconds - 1e-12

@@ -51,3 +51,19 @@ def test_plan_microbatches_with_sizes():
     assert parts[1]["x"].tolist() == [[5]] and parts[2]["names"] == ["6", "7", "8", "9"]
     with pytest.raises(ValueError, match="give 3 sizes >= 1 summing to 10"):
         plan_microbatches(batch, 3, microbatch_sizes=[5, 1, 3])
+
+
+def test_sizes_of_another_batch_fall_back_to_an_even_split_with_a_warning():
+    import warnings
+
+    import torch
+
+    strategy = ElasticPipelineStrategy()
+    batch = {"x": torch.zeros(8, 3)}
+    assert strategy._sizes_of(batch, (5, 1, 2), warn=True) == (5, 1, 2)
+    with pytest.warns(UserWarning, match=r"sizes \[5, 1, 3\] sum to 9 samples but this training batch has 8"):
+        assert strategy._sizes_of(batch, (5, 1, 3), warn=True) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per pair; never for a batch the step does not run
+        assert strategy._sizes_of(batch, (5, 1, 3), warn=True) is None
+        assert strategy._sizes_of(batch, (4, 4, 4), warn=False) is None
