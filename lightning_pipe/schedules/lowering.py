@@ -179,6 +179,31 @@ def _produces(action: Action, stage_to_rank: Sequence[int]) -> tuple[int, int, i
     return None
 
 
+def receives_up_to(
+    message: tuple[int, int, int],
+    queue: Sequence[tuple[int, int, int]],
+    pair: tuple[int, int],
+    position: dict[tuple[int, int], int],
+    received: set[tuple[int, int, int]],
+) -> list[Action]:
+    """The receives a rank posts to get ``message`` from its peer: everything the peer sent on
+    ``pair`` before it, in the peer's send order (NCCL matches in order), then ``message`` itself if
+    the peer never sent it (the receive stays; ``validate()`` reports it). Advances ``position`` and
+    ``received``."""
+    out = []
+    while position.get(pair, 0) < len(queue):
+        early = queue[position[pair]]
+        position[pair] += 1
+        out.append(recv_of(*early))
+        received.add(early)
+        if early == message:
+            break
+    if message not in received:
+        out.append(recv_of(*message))
+        received.add(message)
+    return out
+
+
 def insert_communication(
     compute_orders: Sequence[Iterable[Action]], stage_to_rank: Sequence[int]
 ) -> tuple[tuple[Action, ...], ...]:
@@ -210,18 +235,7 @@ def insert_communication(
             message = _needs(action, rank_of)
             if message is not None and message not in received:
                 pair = (rank_of[message[0]], rank)
-                queue = sent.get(pair, [])
-                # Receive, in the peer's send order, everything it sent before the needed message.
-                while position.get(pair, 0) < len(queue):
-                    early = queue[position[pair]]
-                    position[pair] += 1
-                    out.append(recv_of(*early))
-                    received.add(early)
-                    if early == message:
-                        break
-                if message not in received:  # never sent: keep the receive; validate() reports it
-                    out.append(recv_of(*message))
-                    received.add(message)
+                out.extend(receives_up_to(message, sent.get(pair, []), pair, position, received))
             out.append(action)
             produced = _produces(action, rank_of)
             if produced is not None:

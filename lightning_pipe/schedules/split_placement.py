@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .ir import Action, ActionType, Program
-from .lowering import is_communication, recv_of, send_of
+from .lowering import is_communication, receives_up_to, recv_of, send_of
 
 __all__ = ["build_split_program", "first_backward_flags", "split_messages"]
 
@@ -120,17 +120,7 @@ def build_split_program(
                 if message in received:
                     continue
                 pair = (program_ranks.rank_of_action(send_of(*message)), rank)
-                queue = sent.get(pair, [])
-                while position.get(pair, 0) < len(queue):  # receive in the peer's send order
-                    early = queue[position[pair]]
-                    position[pair] += 1
-                    out.append(recv_of(*early))
-                    received.add(early)
-                    if early == message:
-                        break
-                if message not in received:  # never sent: keep the receive; validate() reports it
-                    out.append(recv_of(*message))
-                    received.add(message)
+                out.extend(receives_up_to(message, sent.get(pair, []), pair, position, received))
             out.append(action)
             out.extend(send_of(*message) for message in produces)
         result.append(tuple(out))
