@@ -8,7 +8,7 @@ Used by ``strategies/regrouping.py`` (docs/repartitioning.md, section 9.7):
 - :class:`LayoutExecutor`: the executor for ``schedules.layout_program.LayoutProgram``: a stage
   of width ``w`` receives microbatch ``m`` on replica ``m % w``, so a transfer's peer depends on
   the microbatch.
-- :func:`sum_replica_gradients`: at the optimizer step, each stage's replicas sum their partial
+- :func:`~lightning_pipe.runtime.collectives.reduce_gradients`: at the optimizer step, each stage's replicas sum their partial
   gradients (each replica ran its share of the microbatches with weights normalised by the whole
   batch, so the sum, not the mean, is the batch's gradient, also with unequal shares).
 - :func:`sum_moved_gradients` and :func:`keep_moved_gradients`, around ``runtime.migration.migrate``:
@@ -70,12 +70,6 @@ class LayoutExecutor(PipelineExecutor):
         return self.pipeline_ranks[route(stage, microbatch)]
 
 
-def sum_replica_gradients(parameters: Sequence[Tensor], group: dist.ProcessGroup, operation: str) -> None:
-    """Sum the gradients of ``parameters`` over ``group`` (a stage's replicas), in place; a parameter
-    no replica has a gradient for keeps none (:func:`~lightning_pipe.runtime.collectives.reduce_gradients`)."""
-    reduce_gradients(parameters, group, operation)
-
-
 def sum_moved_gradients(
     parameters: Mapping[str, Tensor],
     old_holders: Mapping[str, frozenset[int]],
@@ -109,7 +103,7 @@ def sum_moved_gradients(
             mine.setdefault(tuple(sorted(was)), []).append(name)
     for holders, names in sorted(mine.items()):
         params = [parameters[name] for name in names]
-        sum_replica_gradients(params, groups[holders], f"the sum of moving units' gradients over ranks {list(holders)}")
+        reduce_gradients(params, groups[holders], f"the sum of moving units' gradients over ranks {list(holders)}")
         for name, param in zip(names, params, strict=True):
             if rank != keepers[name] and param.grad is not None:
                 param.grad.zero_()

@@ -35,12 +35,12 @@ from typing import Any
 from torch import Tensor
 
 from lightning_pipe.planning.plan import PipelinePlan
+from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.regroup import (
     create_rank_groups,
     keep_moved_gradients,
     merge_replica_outcomes,
     sum_moved_gradients,
-    sum_replica_gradients,
 )
 from lightning_pipe.schedules import Program
 from lightning_pipe.schedules.layout_program import LayoutProgram, layout_1f1b
@@ -172,7 +172,7 @@ class Regrouping:
         """At the optimizer step: sum the stage's partial gradients over its replicas."""
         replicas = self.replicas(program, rank)
         if len(replicas) > 1:
-            sum_replica_gradients(
+            collectives.reduce_gradients(
                 parameters, self.groups[replicas], f"the gradient sum of a stage over its replicas {list(replicas)}"
             )
 

@@ -119,3 +119,44 @@ def test_an_unknown_torchmetrics_says_which_file_to_update():
     del metric._forward_cache
     with pytest.raises(RuntimeError, match=r"\['_forward_cache'\].*_torchmetrics_compat.py"):
         metrics_compat.check_metric(metric)
+
+
+def test_tree_leaves_agrees_with_pytree_on_plain_and_registered_containers():
+    from collections import OrderedDict, namedtuple
+
+    from torch.utils._pytree import tree_leaves as pytree_leaves
+
+    from lightning_pipe.model._torch_compat import tree_leaves
+
+    pair = namedtuple("pair", "a b")
+    t = torch.ones(2)
+    for value in [
+        ((t, 1), {"x": [t, None], "y": "s"}),  # the plain loop
+        (pair(t, 2), OrderedDict(k=t)),  # pytree's own containers
+        [t, (pair(1, t),)],
+    ]:
+        got, expected = tree_leaves(value), pytree_leaves(value)
+        assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected))
+
+
+def test_function_modes_removed_takes_only_the_chosen_modes_off_the_stack():
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_pipe.model._torch_compat import function_modes_removed
+
+    class Counting(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    outer, inner = Counting(), Counting()
+    with outer, inner:
+        with function_modes_removed(lambda mode: mode is outer):
+            torch.ones(2) + 1
+        assert (outer.calls, inner.calls) == (0, 2)
+        torch.ones(2) + 1
+    assert (outer.calls, inner.calls) == (2, 4)  # back on the stack, in order
