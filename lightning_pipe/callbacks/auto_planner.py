@@ -184,7 +184,7 @@ class AutoPlanner(L.Callback):
         everyone = costs.replica_values(mine)
         lengths = self._heaviest([e[0] for e in everyone])
         if self._model is None:
-            self._model = self._cost_model(strategy, batch, lengths)
+            self._model = self._cost_model(strategy, batch, batch_idx, lengths)
         budget = self.budget if self.budget is not None else strategy.memory.budget
         profile = None
         if budget is not None:
@@ -334,12 +334,12 @@ class AutoPlanner(L.Callback):
     def _heaviest(per_replica: list[list[int]]) -> list[int]:
         return max(per_replica, key=lambda lengths: (sum(n * n for n in lengths), sum(lengths)))
 
-    def _cost_model(self, strategy: Any, batch: Any, lengths: list[int]) -> CostModel:
+    def _cost_model(self, strategy: Any, batch: Any, batch_index: int, lengths: list[int]) -> CostModel:
         costs = strategy.costs
         if isinstance(self.cost_model, (str, Path)):
             costs.load(self.cost_model)
         elif isinstance(self.cost_model, CostModel):
             costs.use_model(self.cost_model)
-        elif costs.estimate is None:
-            costs.use(costs.meta_estimate(batch, max(lengths), len(lengths)))  # balanced sizes may hold any count
+        else:
+            costs.ensure_estimate(batch, max(lengths), len(lengths), batch_index)  # balanced sizes may hold any count
         return costs.estimate.cost_model

@@ -142,7 +142,7 @@ class ElasticDepth(L.Callback):
                 costs.use_model(self.cost_model)
             else:
                 lengths = costs.microbatch_lengths(batch, self.lengths_fn)
-                costs.use(costs.meta_estimate(batch, max(n for mb in lengths for n in mb), max(len(mb) for mb in lengths)))
+                costs.ensure_estimate(batch, max(n for mb in lengths for n in mb), max(len(mb) for mb in lengths), batch_idx)
         current = _running_layout(strategy)
         in_window = batch_idx % trainer.accumulate_grad_batches != 0
         key = self._key(strategy, batch, current, in_window)

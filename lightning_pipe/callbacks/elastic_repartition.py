@@ -203,7 +203,7 @@ class ElasticRepartition(L.Callback):
         upcoming_lengths = costs.microbatch_lengths(upcoming, self.lengths_fn) if found else None
         everyone = costs.replica_values((current_lengths, upcoming_lengths))
         if not self._model_ready:
-            self._set_cost_model(strategy, batch, [e[0] for e in everyone])
+            self._set_cost_model(strategy, batch, batch_idx, [e[0] for e in everyone])
         model = costs.estimate.cost_model
         shapes = tuple(costs.shapes(costs.heaviest([e[0] for e in everyone])))
         key = _PlanKey(model, shapes, tuple(strategy.boundaries), strategy.schedule, tuple(self._recent))
@@ -323,16 +323,18 @@ class ElasticRepartition(L.Callback):
 
     # --- planning ------------------------------------------------------------------------------------
 
-    def _set_cost_model(self, strategy: PipelineStrategy, batch: Any, per_replica: list[list[list[int]]]) -> None:
+    def _set_cost_model(
+        self, strategy: PipelineStrategy, batch: Any, batch_index: int, per_replica: list[list[list[int]]]
+    ) -> None:
         costs = strategy.costs
         if isinstance(self.cost_model, (str, Path)):
             costs.load(self.cost_model)
         elif isinstance(self.cost_model, CostModel):
             costs.use_model(self.cost_model)
-        elif costs.estimate is None:
+        else:
             lengths = [n for replica in per_replica for mb in replica for n in mb]
             sizes = [len(mb) for replica in per_replica for mb in replica]
-            costs.use(costs.meta_estimate(batch, max(lengths), max(sizes)))
+            costs.ensure_estimate(batch, max(lengths), max(sizes), batch_index)
         self._model_ready = True
 
     def _plan(self, key: _PlanKey) -> _Plan:

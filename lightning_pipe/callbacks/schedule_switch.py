@@ -100,21 +100,19 @@ class ScheduleSwitch(L.Callback):
             return
         strategy = trainer.strategy
         count = trainer.global_step if self.unit == "step" else trainer.current_epoch
-        schedule = self._auto_schedule(strategy, batch) if self.rule == "auto" else self._schedule_for(count)
+        schedule = self._auto_schedule(strategy, batch, batch_idx) if self.rule == "auto" else self._schedule_for(count)
         strategy.propose(PlanProposal(type(self).__name__, schedule=schedule, priority=self.priority))
         if schedule == strategy.schedule:
             return
         self.switches.append((count, schedule.name))
         log.info("ScheduleSwitch: %s %d -> schedule %s", self.unit, count, schedule.name)
 
-    def _auto_schedule(self, strategy: PipelineStrategy, batch: Any) -> Schedule:
+    def _auto_schedule(self, strategy: PipelineStrategy, batch: Any, batch_idx: int) -> Schedule:
         """The fastest candidate for this batch's costs, or the running schedule (see ``rule="auto"``)."""
         costs = strategy.costs
         per_replica = costs.replica_values(costs.microbatch_lengths(batch, self.lengths_fn))
-        if costs.estimate is None:
-            lengths = [n for replica in per_replica for mb in replica for n in mb]
-            costs.use(costs.meta_estimate(batch, max(lengths), max(len(mb) for r in per_replica for mb in r)))
-        model = costs.estimate.cost_model
+        lengths = [n for replica in per_replica for mb in replica for n in mb]
+        model = costs.ensure_estimate(batch, max(lengths), max(len(mb) for r in per_replica for mb in r), batch_idx).cost_model
         shapes = costs.shapes(costs.heaviest(per_replica))
         ranks = strategy.pipeline_parallel_size
 

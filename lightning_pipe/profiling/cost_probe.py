@@ -47,17 +47,35 @@ from lightning_pipe.model.placeholders import real_devices
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
 from lightning_pipe.planning.fit import UnitFit, fit_linear_cost
-from lightning_pipe.profiling.unit_tracker import UnitTracker, nbytes_of, resize_microbatch, step_loss, unit_name
-from lightning_pipe.runtime._torch_compat import TorchDispatchMode, flash_attention_cpu_ops, tensor_registries, tree_flatten, tree_map
+from lightning_pipe.profiling.unit_tracker import (
+    SavedBytes,
+    UnitTracker,
+    nbytes_of,
+    resize_microbatch,
+    step_loss,
+    unit_name,
+)
+from lightning_pipe.runtime._torch_compat import (
+    TorchDispatchMode,
+    flash_attention_cpu_ops,
+    tensor_registries,
+    tree_flatten,
+    tree_map,
+)
 
 __all__ = [
     "CostEstimate",
     "DeviceSpeed",
+    "MetaProbeError",
     "UnitCount",
     "count_units",
     "fit_cost_model",
     "length_offset",
 ]
+
+
+class MetaProbeError(RuntimeError):
+    """The user's step cannot run on meta tensors (it reads values: ``.item()``, data-dependent branches)."""
 
 
 @dataclass(frozen=True)
@@ -299,28 +317,6 @@ class _WorkCounter(TorchDispatchMode):
         return out
 
 
-class _SavedCounter:
-    """Saved-tensor hooks: bytes per unit, each storage once, parameters and the batch excluded."""
-
-    def __init__(self, tracker: UnitTracker, excluded: Sequence[Tensor]) -> None:
-        self.tracker = tracker
-        self._keep = [t.untyped_storage() for t in excluded]  # storages stay alive: ids stay unique
-        self._seen = {id(s) for s in self._keep}
-        self.saved: dict[int, int] = defaultdict(int)
-
-    def pack(self, tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        if id(storage) not in self._seen:
-            self._seen.add(id(storage))
-            self._keep.append(storage)
-            self.saved[self.tracker.forward_unit] += storage.nbytes()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: Tensor) -> Tensor:
-        return tensor
-
-
 @contextlib.contextmanager
 def _silent_log(root: nn.Module):
     """``self.log`` does nothing while probing (the instance attribute shadows the method)."""
@@ -358,7 +354,7 @@ def count_units(
         One :class:`UnitCount` per unit and shape.
 
     Raises:
-        RuntimeError: if the step cannot run on meta tensors (data-dependent Python control flow,
+        MetaProbeError: if the step cannot run on meta tensors (data-dependent Python control flow,
             ``.item()``); the message says to profile with real tensors instead.
     """
     if speed is None:
@@ -373,9 +369,9 @@ def count_units(
         batch_tensors = [t for t in tree_flatten(microbatch)[0] if isinstance(t, Tensor)]
         functions = _MetaFunctions(torch.device("cpu"), batch_tensors)
         with _on_meta(root) as params, _silent_log(root), tracker, torch.enable_grad():
-            saved = _SavedCounter(tracker, params + batch_tensors + list(functions.meta_of.values()))
+            saved = SavedBytes(tracker, params + batch_tensors + list(functions.meta_of.values()))
             try:
-                with functions, work, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                with functions, work, saved.hooks():
                     output = getattr(root, step_name)(microbatch, *step_args[1:])
                     loss = step_loss(output)
                     trainable = [p for p in params if p.requires_grad]
@@ -383,7 +379,7 @@ def count_units(
                         work.backward = True
                         torch.autograd.grad(loss, trainable, allow_unused=True)
             except Exception as error:
-                raise RuntimeError(
+                raise MetaProbeError(
                     f"The meta-device cost probe could not run `{type(root).__name__}.{step_name}` on meta tensors "
                     f"({type(error).__name__}: {error}). Steps that read tensor values (`.item()`, data-dependent "
                     "branches) need measured costs: add the `PipelineProfiler` callback or pass `cost_model=` a profile."

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +21,7 @@ from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed, count
 from lightning_pipe.profiling.unit_timing import fit_timings, time_units
 
 __all__ = [
+    "assumed_link",
     "estimate_costs",
     "format_fits",
     "probe_grid",
@@ -33,6 +34,11 @@ __all__ = [
 
 # Assumed stage-to-stage link, (seconds per message, bytes per second), until migrations are measured.
 _LINK = {"cpu": (1e-4, 2e9), "cuda": (1e-5, 50e9)}
+
+
+def assumed_link(device: torch.device | str) -> tuple[float, float]:
+    """``(seconds per message, bytes per second)`` assumed between stages on ``device`` until measured."""
+    return _LINK.get(torch.device(device).type, _LINK["cuda"])
 
 
 def probe_shapes(max_length: int, num_sequences: int) -> list[tuple[int, int]]:
@@ -75,7 +81,7 @@ def estimate_costs(
         probe_shapes(max_length, num_sequences),
         speed or DeviceSpeed.for_device(device),
     )
-    latency, bandwidth = _LINK.get(torch.device(device).type, _LINK["cuda"])
+    latency, bandwidth = assumed_link(device)
     return fit_cost_model(counts, module, layout, optimizer_states_per_parameter, latency, bandwidth)
 
 

@@ -22,13 +22,15 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.model.stage_runner import StageRunner, StageSpan
+from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import MicrobatchShape
 from lightning_pipe.planning.fit import TimingSample, fit_unit_cost
-from lightning_pipe.profiling.cost_probe import CostEstimate, length_offset
+from lightning_pipe.profiling.cost_probe import CostEstimate, UnitCount, fit_cost_model, length_offset
 from lightning_pipe.profiling.probing import untouched
-from lightning_pipe.profiling.unit_tracker import UnitTracker, resize_microbatch, step_loss
+from lightning_pipe.profiling.unit_tracker import SavedBytes, UnitTracker, resize_microbatch, step_loss
+from lightning_pipe.runtime._torch_compat import tree_flatten
 
-__all__ = ["UnitTiming", "fit_timings", "time_units"]
+__all__ = ["UnitTiming", "fit_timings", "measured_template", "time_units"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class UnitTiming:
         positions: positions per sample the blocks process.
         forward_seconds: median forward seconds over the repeats.
         backward_seconds: median backward seconds over the repeats.
+        saved_bytes: bytes autograd kept from the unit's forward for backward (measured).
+        output_bytes: bytes of the tensors the unit handed on (0 for ``post``).
     """
 
     unit: int
@@ -50,6 +54,8 @@ class UnitTiming:
     positions: int
     forward_seconds: float
     backward_seconds: float
+    saved_bytes: int = 0
+    output_bytes: int = 0
 
 
 class _Clock:
@@ -78,25 +84,40 @@ class _Clock:
         self.switch(-1)
 
 
+@dataclass
+class _SpanRun:
+    """What one run of a span measured, per unit."""
+
+    forward: dict[int, float]
+    backward: dict[int, float]
+    positions: int
+    saved: dict[int, int]
+    outputs: dict[int, int]
+
+
 def _time_span_once(
     runner: StageRunner, step_name: str, args: tuple, span: StageSpan, params: list[Tensor], device: torch.device
-) -> tuple[dict[int, float], dict[int, float], int]:
+) -> _SpanRun:
     forward, backward = _Clock(device), _Clock(device)
 
     def on_switch(direction: str, unit: int) -> None:
         (forward if direction == "forward" else backward).switch(unit)
+
+    tracker = UnitTracker(runner.stack.blocks, on_switch)
+    saved = SavedBytes(tracker, params + [t for t in tree_flatten(args)[0] if isinstance(t, Tensor)])
 
     def receive(metas: list[Tensor]) -> list[Tensor]:
         inputs = []
         for meta in metas:
             tensor = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
             inputs.append(tensor.requires_grad_(True) if tensor.is_floating_point() else tensor)
+        saved.exclude(inputs)
         return inputs
 
-    tracker = UnitTracker(runner.stack.blocks, on_switch)
     with tracker, torch.enable_grad():
         forward.start(0)
-        result = runner.run(step_name, args, span, receive=None if span.is_first else receive)
+        with saved.hooks():
+            result = runner.run(step_name, args, span, receive=None if span.is_first else receive)
         forward.stop()
         if span.is_last:
             loss = step_loss(result.step_output)
@@ -110,7 +131,7 @@ def _time_span_once(
             torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
             backward.stop()
     del result
-    return forward.spent, backward.spent, tracker.positions
+    return _SpanRun(forward.spent, backward.spent, tracker.positions, dict(saved.saved), dict(tracker.outputs))
 
 
 def _span_units(span: StageSpan) -> list[int]:
@@ -160,18 +181,21 @@ def time_units(
     probes = [(shape, (resize_microbatch(step_args[0], *shape, device=device), *step_args[1:])) for shape in shapes]
     samples: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     positions: dict[tuple[int, int], int] = {}
+    nbytes: dict[tuple, tuple[int, int]] = {}
     context = step_context or contextlib.nullcontext
     with untouched(runner.root, device):
         for round_index in range(warmup + repeats):
             for shape, args in probes:
                 for span in spans:
                     with context():
-                        forward, backward, seen = _time_span_once(runner, step_name, args, span, params, device)
-                    positions[shape] = seen or positions.get(shape, 0)
+                        run = _time_span_once(runner, step_name, args, span, params, device)
+                    positions[shape] = run.positions or positions.get(shape, 0)
                     if round_index < warmup:
                         continue
                     for unit in _span_units(span):
-                        samples[(shape, unit)].append((forward.get(unit, 0.0), backward.get(unit, 0.0)))
+                        samples[(shape, unit)].append((run.forward.get(unit, 0.0), run.backward.get(unit, 0.0)))
+                        output = 0 if unit == span.num_blocks + 1 else run.outputs.get(unit, 0)
+                        nbytes[(shape, unit)] = (run.saved.get(unit, 0), output)
     timings = []
     for (shape, unit), values in sorted(samples.items()):
         timings.append(
@@ -182,6 +206,7 @@ def time_units(
                 positions.get(shape) or shape[1],
                 statistics.median(v[0] for v in values),
                 statistics.median(v[1] for v in values),
+                *nbytes[(shape, unit)],
             )
         )
     return timings
@@ -218,3 +243,44 @@ def fit_timings(timings: Sequence[UnitTiming], template: CostEstimate, holdout_f
         fits.append(fit_unit_cost(samples, cost, holdout_fraction=holdout_fraction))
     model = dataclasses.replace(template.cost_model, units=tuple(f.unit for f in fits))
     return CostEstimate(model, offset, "profile", tuple(fits))
+
+
+def measured_template(
+    timings: Sequence[UnitTiming],
+    module: torch.nn.Module,
+    layout: UnitLayout,
+    optimizer_states_per_parameter: float = 2.0,
+    latency: float = 0.0,
+    bandwidth: float = float("inf"),
+) -> CostEstimate:
+    """A cost model made only from real runs: seconds, saved and output bytes as :func:`time_units` measured.
+
+    What :func:`fit_timings` starts from when the meta-device probe cannot run the user's step
+    (``.item()``, data-dependent branches): the same per-unit linear fits as
+    :func:`~lightning_pipe.profiling.cost_probe.fit_cost_model`, from measured instead of counted rows.
+
+    Args:
+        timings: from :func:`time_units`, every unit on at least one shape (three for linear fits).
+        module: the user's module (parameter bytes per unit; placeholders count by their shapes).
+        layout: its units.
+        optimizer_states_per_parameter: optimizer state tensors per trained parameter.
+        latency: seconds per point-to-point message.
+        bandwidth: bytes per second of a link between stages.
+    """
+    counts = [
+        UnitCount(
+            unit=t.unit,
+            num_sequences=t.num_sequences,
+            length=t.length,
+            positions=t.positions,
+            forward_flops=0.0,
+            backward_flops=0.0,
+            forward_seconds=t.forward_seconds,
+            backward_seconds=t.backward_seconds,
+            num_forward_ops=0,
+            saved_bytes=t.saved_bytes,
+            output_bytes=t.output_bytes,
+        )
+        for t in timings
+    ]
+    return fit_cost_model(counts, module, layout, optimizer_states_per_parameter, latency, bandwidth)

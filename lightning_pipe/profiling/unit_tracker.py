@@ -8,6 +8,7 @@ the user's module and the hooks are removed on exit.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from typing_extensions import Self
 from lightning_pipe.profiling.probing import token_tensor
 from lightning_pipe.runtime._torch_compat import tree_flatten, tree_map
 
-__all__ = ["UnitTracker", "nbytes_of", "resize_microbatch", "step_loss", "unit_name"]
+__all__ = ["SavedBytes", "UnitTracker", "nbytes_of", "resize_microbatch", "step_loss", "unit_name"]
 
 
 class UnitTracker:
@@ -98,6 +99,46 @@ class UnitTracker:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class SavedBytes:
+    """Bytes autograd keeps for backward, per forward unit: saved-tensor hooks over a :class:`UnitTracker`.
+
+    Each storage counts once; ``excluded`` tensors (parameters, the batch, received inputs) and
+    whatever :meth:`exclude` adds later do not count, since they live anyway.
+    """
+
+    def __init__(self, tracker: UnitTracker, excluded: Sequence[Tensor] = ()) -> None:
+        self.tracker = tracker
+        self._keep: list[Any] = []  # storages stay alive, so their ids stay unique
+        self._seen: set[int] = set()
+        self.saved: dict[int, int] = defaultdict(int)
+        self.exclude(excluded)
+
+    def exclude(self, tensors: Sequence[Tensor]) -> None:
+        """Never count ``tensors``' storages."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            self._keep.append(storage)
+            self._seen.add(id(storage))
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        """The saved-tensor hook's pack: count the storage once, keep the tensor as is."""
+        storage = tensor.untyped_storage()
+        if id(storage) not in self._seen:
+            self._seen.add(id(storage))
+            self._keep.append(storage)
+            self.saved[self.tracker.forward_unit] += storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: Tensor) -> Tensor:
+        """The saved-tensor hook's unpack (identity)."""
+        return tensor
+
+    def hooks(self) -> Any:
+        """The context manager that installs :meth:`pack`/:meth:`unpack`."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 def nbytes_of(tensor: Tensor) -> int:

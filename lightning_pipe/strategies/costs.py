@@ -10,6 +10,8 @@ strategy's own ``partition="auto"``:
 * a cost model without profiling: the meta-device probe of ``profiling.cost_probe``, made from shapes
   every rank agrees on, so every rank gets the same numbers;
 * a measured profile: each rank times the units it owns, rank 0 fits, every rank gets rank 0's fit;
+  it is also what :meth:`StrategyCosts.ensure_estimate` falls back to, with measured bytes, when the
+  user's step cannot run on meta tensors, so no planner needs the step to run on meta;
 * the longest batch of the training data, for the static ``partition="auto"``.
 
 Lightning-free: it reads the strategy through a :class:`~lightning_pipe.strategies.context.PipelineContext`.
@@ -30,14 +32,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.partition import plan_partition
-from lightning_pipe.runtime import collectives
-from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed
-from lightning_pipe.profiling.estimate import estimate_costs
+from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed, MetaProbeError
+from lightning_pipe.profiling.estimate import assumed_link, estimate_costs, probe_grid, probe_lengths
 from lightning_pipe.profiling.memory_profile import sequence_lengths
+from lightning_pipe.profiling.unit_timing import fit_timings, measured_template, time_units
+from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.microbatch import sample_ranges
 from lightning_pipe.strategies.context import PipelineContext
 from lightning_pipe.strategies.memory import StrategyMemory
-from lightning_pipe.profiling.unit_timing import fit_timings, time_units
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +171,40 @@ class StrategyCosts:
             self.speed,
         )
 
+    def ensure_estimate(self, batch: Any, max_length: int, num_sequences: int, batch_index: int = 0) -> CostEstimate:
+        """The estimate in use, else the meta-device one, else (the step reads values) a measured one.
+
+        Every rank must call it at the same point of the step (the fallback is collective). The meta
+        probe fails alike on every rank, since every rank runs the same step on the same shapes; the
+        ranks still agree on it before profiling, so that a difference cannot leave one rank waiting.
+
+        Args:
+            batch: a batch of the training data (the probes' structure; real values when measured).
+            max_length: the longest sample length to probe (every rank must pass the same).
+            num_sequences: samples per probe microbatch (every rank must pass the same).
+            batch_index: the step's second argument for measured probes.
+        """
+        if self.estimate is not None:
+            return self.estimate
+        estimate, reason = None, ""
+        try:
+            estimate = self.meta_estimate(batch, max_length, num_sequences)
+        except MetaProbeError as error:
+            reason = str(error.__cause__ or error)
+        if self.context.world_size > 1:
+            reasons = collectives.all_gather_objects(reason, None)
+            reason = next((r for r in reasons if r), "")
+        if reason:
+            sizes = dict.fromkeys((num_sequences, max(1, num_sequences // 2)))
+            shapes = probe_grid(probe_lengths(max_length), sizes)
+            log.info(
+                "The meta-device cost probe cannot run the step (%s); measuring the stages' costs on %d real probe "
+                "shapes instead (once).", reason, len(shapes),
+            )
+            estimate = self.profile(batch, batch_index, shapes, repeats=1, warmup=1)
+        self.use(estimate)
+        return estimate
+
     def profile(
         self,
         batch: Any,
@@ -213,11 +249,28 @@ class StrategyCosts:
         if context.global_rank == 0:
             max_length = max(length for _, length in shapes)
             num_sequences = max(count for count, _ in shapes)
-            template = self.meta_estimate(batch, max_length, num_sequences)
-            estimate = fit_timings([t for part in gathered for t in part], template, holdout_fraction)
+            timings = [t for part in gathered for t in part]
+            try:
+                template = self.meta_estimate(batch, max_length, num_sequences)
+            except MetaProbeError:  # the step reads values: bytes as measured too
+                template = self._measured_template(timings)
+            estimate = fit_timings(timings, template, holdout_fraction)
         if context.world_size > 1:
             estimate = context.broadcast(estimate, 0)
         return estimate
+
+    def _measured_template(self, timings: Sequence[Any]) -> CostEstimate:
+        context = self.context
+        assert self._memory is not None
+        latency, bandwidth = assumed_link(context.device)
+        return measured_template(
+            timings,
+            context.module,
+            context.current().unit_layout,
+            self._memory.static_bytes_per_parameter_byte() - 2.0,
+            latency,
+            bandwidth,
+        )
 
     # --- partition="auto" ------------------------------------------------------------------------
 
@@ -269,9 +322,7 @@ class StrategyCosts:
         longest = max(everyone, key=lambda ls: (max(ls), sum(ls)))
         self.longest_batch_lengths = list(longest)
         per_microbatch = _split(longest, current.num_microbatches)
-        if self.estimate is None:
-            sizes = [len(mb) for mb in per_microbatch]
-            self.use(self.meta_estimate(batch, max(longest), max(sizes)))
+        self.ensure_estimate(batch, max(longest), max(len(mb) for mb in per_microbatch))
         plan = plan_partition(
             self.estimate.cost_model, self.shapes(per_microbatch), current.schedule, self.context.pipeline_parallel_size
         )

@@ -13,6 +13,7 @@ from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blo
 from lightning_pipe.profiling.cost_probe import count_units, fit_cost_model
 from lightning_pipe.runtime.memory import MemoryRuntime
 from lightning_pipe.profiling.memory_profile import measure_stages, sequence_lengths
+from lightning_pipe.profiling.unit_timing import fit_timings, measured_template, time_units
 from lightning_pipe.profiling.unit_tracker import resize_microbatch
 from tests.helpers.models import MaskedModel, TinyGPT
 
@@ -89,6 +90,38 @@ def test_meta_saved_bytes_match_a_real_run_on_held_out_shapes(case):
             else:
                 assert value == pytest.approx(measured[unit], rel=0.10), (case, held_out, unit)
         assert sum(predicted) == pytest.approx(sum(measured.values()), rel=0.10)
+
+
+@pytest.mark.parametrize("case", ["tiny_gpt_float64", "multihead_attention_with_mask"])
+def test_a_model_made_only_from_real_runs_predicts_saved_and_output_bytes(case):
+    """What planners fall back to when the step cannot run on meta: bytes measured, not counted."""
+    make, batch_of, length = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    stack = find_blocks(model)
+    sample = batch_of(2, length)
+    probes = [(2, length), (2, length // 2 + 1), (4, length // 4 + 1), (1, length // 2 + 1)]
+    runner = StageRunner(model, stack)
+    try:
+        span = StageSpan(0, 0, stack.num_blocks, stack.num_blocks)
+        timings = time_units(
+            runner, "training_step", (sample, 0), [span], probes, list(model.parameters()), torch.device("cpu"), 1, 0
+        )
+    finally:
+        runner.remove()
+    estimate = fit_timings(timings, measured_template(timings, model, analyze_units(model, stack)))
+    assert estimate.source == "profile"
+    for held_out in [(3, length - 5), (1, length)]:
+        microbatch = resize_microbatch(sample, *held_out)
+        measured = _measured_saved_bytes(model, microbatch)
+        shape = estimate.shape(sequence_lengths(microbatch))
+        units = estimate.cost_model.units
+        for unit in range(1, len(units) - 1):
+            assert units[unit].saved_bytes.evaluate(shape) == pytest.approx(measured[unit], rel=0.10), (held_out, unit)
+        hidden = next(p for p in model.parameters() if p.dim() == 2).shape[-1]
+        element = next(model.parameters()).element_size()
+        for unit in units[1:-1]:  # a block hands on [B, T, dim] (and a scalar in MaskedModel)
+            assert unit.output_bytes_per_token == pytest.approx(hidden * element, rel=0.05)
 
 
 def test_meta_flops_are_the_analytic_counts():
