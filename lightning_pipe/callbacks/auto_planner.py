@@ -177,6 +177,10 @@ class AutoPlanner(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Take (or make) this batch's joint plan, propose it, and start planning the next batch."""
+        with trainer.strategy.step_clock.measure("plan"):  # on the step's critical path
+            self._plan_batch(trainer, batch, batch_idx)
+
+    def _plan_batch(self, trainer: L.Trainer, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
         costs = strategy.costs
         found, upcoming = strategy.peek_next_batch() if self.lookahead else (False, None)
@@ -206,6 +210,8 @@ class AutoPlanner(L.Callback):
         waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's)
         if strategy.world_size > 1:
             result, waited, looked_ahead = strategy.broadcast((result, waited, looked_ahead), src=0)
+        if looked_ahead:
+            strategy.step_clock.add_background("plan", result.planning_seconds)
         plan = result.plan
         strategy.propose(
             PlanProposal(

@@ -134,6 +134,10 @@ class ElasticDepth(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         """Take the decision made while the last batch ran (or decide now), propose it, look ahead."""
+        with trainer.strategy.step_clock.measure("plan"):  # on the step's critical path
+            self._plan_batch(trainer, batch, batch_idx)
+
+    def _plan_batch(self, trainer: L.Trainer, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
         costs = strategy.costs
         self._measure(strategy, batch_idx)
@@ -148,6 +152,8 @@ class ElasticDepth(L.Callback):
         key = self._key(strategy, batch, current, in_window)
         looked_ahead = self._job is not None and self._job.key == key
         decision, seconds = self._job.join() if looked_ahead else self._decide(key)
+        if looked_ahead:
+            strategy.step_clock.add_background("plan", seconds)
         if self._job is not None and not looked_ahead:
             self._job.join()  # stale: the layout or the measurements changed since
         self._job = None

@@ -196,6 +196,10 @@ class ElasticRepartition(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Plan this batch (or take the plan made while the last one ran), decide, migrate, look ahead."""
+        with trainer.strategy.step_clock.measure("plan"):  # on the step's critical path
+            self._plan_batch(trainer, batch, batch_idx)
+
+    def _plan_batch(self, trainer: L.Trainer, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
         costs = strategy.costs
         current_lengths = costs.microbatch_lengths(batch, self.lengths_fn)
@@ -211,6 +215,8 @@ class ElasticRepartition(L.Callback):
         waited = time.perf_counter()
         plan = self._job.join() if looked_ahead else self._plan(key)
         waited = time.perf_counter() - waited  # planning on the step's critical path
+        if looked_ahead:
+            strategy.step_clock.add_background("plan", plan.seconds)
         if self._job is not None and not looked_ahead:
             self._job.join()  # a stale plan (the schedule or partition changed since): drop it
         self._job = None

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
 
+from lightning_pipe.callbacks._lookahead import LookaheadJob
 from lightning_pipe.planning.memory_model import FULL, KEEP_ATTENTION, OFFLOAD, MemoryPlan, parse_size
 from lightning_pipe.planning.memory_planner import MemoryPlanResult
 from lightning_pipe.planning.plan import PipelinePlan
@@ -40,6 +42,9 @@ class MemoryPlanner(L.Callback):
             counts from the probe.
         time_limit: seconds the MILP solver may take per batch (its best plan so far is used after).
         priority: wins the memory part over proposals of lower priority (``planning/proposals.py``).
+        lookahead: solve the next batch's plan on a background thread while this batch trains, for
+            the plan this batch runs (when the next batch's draft plan is the same, the step takes it
+            at no cost; otherwise it solves its own).
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class MemoryPlanner(L.Callback):
         cost_model: Any = None,
         time_limit: float = 10.0,
         priority: int = 0,
+        lookahead: bool = True,
     ) -> None:
         unknown = set(options) - {FULL, KEEP_ATTENTION, OFFLOAD}
         if unknown:
@@ -70,7 +76,10 @@ class MemoryPlanner(L.Callback):
         self.cost_model = cost_model
         self.time_limit = time_limit
         self.priority = priority
+        self.lookahead = lookahead
         self.results: list[MemoryPlanResult] = []
+        self.looked_ahead: list[bool] = []  # per planned batch: whether the plan was solved ahead
+        self._job: LookaheadJob | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check the strategy and give it the budget to enforce."""
@@ -87,18 +96,43 @@ class MemoryPlanner(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         """Propose this batch's memory plan, made for the draft plan (every rank computes the same)."""
         strategy = trainer.strategy
+        memory = strategy.memory
+        options = dict(
+            options=self.options, method=self.method, objective=self.objective, host_bandwidth=self.host_bandwidth,
+            cost_model=self.cost_model, time_limit=self.time_limit,
+        )
 
         def plan_for(draft: PipelinePlan) -> MemoryPlan:
-            result = strategy.memory.plan_batch(
-                batch, (batch_idx,), self.budget, lengths=self.lengths, plan=draft, options=self.options,
-                method=self.method, objective=self.objective, host_bandwidth=self.host_bandwidth,
-                cost_model=self.cost_model, time_limit=self.time_limit,
-            )
+            request = memory.memory_request(batch, (batch_idx,), self.budget, self.lengths, draft, **options)
+            job, self._job = self._job, None
+            solved = job.join() if job is not None and job.key == request else None
+            if solved is not None:
+                strategy.step_clock.add_background("plan", solved[1])
+            result = memory.share_plan(request, None if solved is None else solved[0])
             self.results.append(result)
+            self.looked_ahead.append(solved is not None)
             log.debug(
-                "batch %d: memory plan by %s, predicted peak %s bytes, step %.3g s", batch_idx, result.method,
-                [round(p) for p in result.prediction.peak_bytes], result.step_seconds,
+                "batch %d: memory plan by %s%s, predicted peak %s bytes, step %.3g s", batch_idx, result.method,
+                " (solved ahead)" if solved else "", [round(p) for p in result.prediction.peak_bytes],
+                result.step_seconds,
             )
+            if self.lookahead and memory.plans_here:
+                found, upcoming = strategy.peek_next_batch()
+                if found:  # solved for this draft: the next batch usually runs the same partition and family
+                    ahead = memory.memory_request(upcoming, (batch_idx + 1,), self.budget, self.lengths, draft, **options)
+                    self._job = LookaheadJob(ahead, lambda: _timed(ahead.solve), "MemoryPlanner-plan")
             return result.plan
 
         strategy.propose(PlanProposal(type(self).__name__, memory=plan_for, priority=self.priority))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Finish a plan still being solved in the background."""
+        if self._job is not None:
+            self._job.thread.join()
+            self._job = None
+
+
+def _timed(solve: Callable[[], MemoryPlanResult]) -> tuple[MemoryPlanResult, float]:
+    started = time.perf_counter()
+    result = solve()
+    return result, time.perf_counter() - started

@@ -14,10 +14,14 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
 * ``pipeline/time/{part}_s``: where the first rank's step went (they sum to ``step_s``): its
   ``compute`` actions, blocked in receives (``wait``), posting sends (``send``),
   ``between_actions`` (the executor's own work), and outside the program the strategy's measured
-  parts (``runtime.StepClock``): ``plan`` (merging proposals, applying the plan), ``prepare``
+  parts (``runtime.StepClock``): ``plan`` (planner callbacks' work on the critical path, merging
+  proposals, applying the plan), ``prepare``
   (splitting the batch, the step's checks), ``share_outcome`` (the loss and log broadcast, their
   replay, gradient normalization), ``gradient_sync``, ``optimizer``, and ``outside_program``, the
   rest (Lightning's loop and hooks, callbacks),
+* ``pipeline/plan_fraction``: ``time/plan_s`` over ``step_s`` (the goal: under 2%), and
+  ``pipeline/plan_background_s``: planning done for this step on lookahead threads while the step
+  before ran (hidden, unless it competes for the same cores),
 * ``pipeline/rank{r}_peak_memory_bytes``: peak memory per rank (CUDA allocator peak, or the process's
   resident-set peak on CPU),
 * ``pipeline/num_stages``, ``pipeline/num_microbatches``, ``pipeline/boundary{k}``, ``pipeline/width{k}``
@@ -88,6 +92,7 @@ class StepSummary:
     bubble_ratio: float
     simulated_bubble_ratio: float = 0.0
     time_s: dict[str, float] = field(default_factory=dict)
+    plan_background_s: float = 0.0
     stage_compute_s: dict[int, float] = field(default_factory=dict)
     migrated_bytes: int = 0
     recomputed_blocks: int = 0
@@ -290,7 +295,6 @@ class PipelineMonitor(L.Callback):
         self.layouts_picture: str | None = None  # elastic depth: stages and widths over steps
         self.history: list[StepSummary] = []
         self.timelines: list[str] = []
-        self._step_started = 0.0
         self._migrated = 0
 
     def _strategy(self, trainer: L.Trainer) -> PipelineStrategy:
@@ -306,10 +310,6 @@ class PipelineMonitor(L.Callback):
         """Fail early when the Trainer does not run the pipeline strategy."""
         self._strategy(trainer)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        """Start the step's clock (after plan callbacks placed before this one)."""
-        self._step_started = time.perf_counter()
-
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -324,7 +324,7 @@ class PipelineMonitor(L.Callback):
         draw = self.timeline_every_n_steps and step % self.timeline_every_n_steps == 0
         if step % every and not draw:
             return
-        step_s = time.perf_counter() - self._step_started
+        step_s = time.perf_counter() - strategy.step_clock.started  # from the batch's move, planners included
         outcome = strategy.last_outcome
         offset = time.time() - time.perf_counter()  # one clock for all ranks, also across nodes
         rank = strategy.layout.pipeline_rank
@@ -341,6 +341,7 @@ class PipelineMonitor(L.Callback):
             return
         summary = self._summarize(strategy, reports, step, step_s, _tokens(batch) * strategy.layout.data_parallel_size)
         summary.time_s = step_breakdown(outcome.records if outcome else [], step_s, dict(strategy.step_clock.parts))
+        summary.plan_background_s = strategy.step_clock.background.get("plan", 0.0)
         self.history.append(summary)
         metrics = {
             "pipeline/tokens_per_s": summary.tokens_per_s,
@@ -351,6 +352,8 @@ class PipelineMonitor(L.Callback):
             "pipeline/num_microbatches": float(summary.num_microbatches),
             "pipeline/migrated_bytes": float(summary.migrated_bytes),
             "pipeline/recomputed_blocks": float(summary.recomputed_blocks),
+            "pipeline/plan_fraction": summary.time_s.get("plan", 0.0) / max(summary.step_s, 1e-12),
+            "pipeline/plan_background_s": summary.plan_background_s,
             "pipeline/offloaded_blocks": float(summary.offloaded_blocks),
         }
         metrics.update({f"pipeline/stage{s}_compute_s": t for s, t in summary.stage_compute_s.items()})

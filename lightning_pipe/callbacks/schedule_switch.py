@@ -100,7 +100,8 @@ class ScheduleSwitch(L.Callback):
             return
         strategy = trainer.strategy
         count = trainer.global_step if self.unit == "step" else trainer.current_epoch
-        schedule = self._auto_schedule(strategy, batch, batch_idx) if self.rule == "auto" else self._schedule_for(count)
+        with strategy.step_clock.measure("plan"):  # on the step's critical path
+            schedule = self._auto_schedule(strategy, batch, batch_idx) if self.rule == "auto" else self._schedule_for(count)
         strategy.propose(PlanProposal(type(self).__name__, schedule=schedule, priority=self.priority))
         if schedule == strategy.schedule:
             return

@@ -20,15 +20,31 @@ __all__ = ["StepClock"]
 class StepClock:
     """Wall seconds of named parts of the current step (``perf_counter``), reset before each step.
 
+    A step starts when its batch is moved to the device, before the callbacks' ``on_train_batch_start``,
+    so that what planner callbacks do on the step's critical path counts in it (part ``plan``).
+    Work done for the step off its critical path (a plan made on a lookahead thread while the step
+    before ran) is kept apart, in :attr:`background`.
+
     Attributes:
-        parts: seconds per part name since the last :meth:`reset`.
+        parts: seconds per part name since the last :meth:`reset`, on the step's critical path.
+        background: seconds per part name done for this step beside the previous one.
+        started: ``perf_counter()`` at the last :meth:`reset`.
+        fresh: reset for a step that has not begun its own work yet.
     """
 
     parts: dict[str, float] = field(default_factory=dict)
+    background: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    fresh: bool = False
 
     def reset(self) -> None:
         """Start a new step."""
-        self.parts = {}
+        self.parts, self.background = {}, {}
+        self.started, self.fresh = time.perf_counter(), True
+
+    def add_background(self, part: str, seconds: float) -> None:
+        """Count ``seconds`` of ``part`` done for this step off its critical path."""
+        self.background[part] = self.background.get(part, 0.0) + seconds
 
     @contextlib.contextmanager
     def measure(self, part: str) -> Iterator[None]:

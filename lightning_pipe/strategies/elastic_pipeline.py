@@ -647,9 +647,19 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._proposals.append(proposal)
 
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch; a training batch starts the step's clock (before the callbacks plan it)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training:
+            self.step_clock.reset()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """After every callback's ``on_train_batch_start``: merge the proposals, apply one plan."""
-        self.step_clock.reset()
+        if not self.step_clock.fresh:  # a loop that hands the step an iterator moves no batch
+            self.step_clock.reset()
+        self.step_clock.fresh = False
         proposals, self._proposals = self._proposals, []
         with self.step_clock.measure("plan"):
             self.last_application = apply_proposals(self, proposals, batch_idx)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any, Callable, Union
 
@@ -420,6 +421,14 @@ class StrategyMemory:
         The pipeline's first rank plans and sends the plan to the others (a collective of the
         pipeline): the MILP stops at its time limit, which may come at different points on different
         ranks, and every rank of a pipeline must run the same plan."""
+        return self.share_plan(self.memory_request(batch, rest, budget, lengths, plan, **planner_options))
+
+    def memory_request(
+        self, batch: Any, rest: tuple = (0,), budget: int | None = None, lengths: Callable | None = None,
+        plan: PipelinePlan | None = None, **planner_options: Any,
+    ) -> MemoryRequest:
+        """What :meth:`plan_batch` plans for this batch (probing first if no profile yet, a collective),
+        as plain data: equal requests get equal plans, so a planner may solve one ahead of time."""
         current = self.context.current()
         budget = self.budget if budget is None else budget
         if budget is None:
@@ -436,13 +445,22 @@ class StrategyMemory:
         elif len(shapes) != program.num_microbatches:  # a short batch, or packed: microbatches not the plan's count
             schedule = current.schedule if plan is None else plan.schedule
             program = self.context.program_for_plan(PipelinePlan(boundaries, schedule, len(shapes)))
+        return MemoryRequest(
+            program, tuple(boundaries), tuple(shapes), self.profile, budget * (1.0 - self.planning_margin),
+            self.chunk_memory(batch, plan), tuple(options.items()),
+        )
+
+    @property
+    def plans_here(self) -> bool:
+        """Whether this rank solves its pipeline's memory plans (the pipeline's first rank)."""
+        return self.context.global_rank == self.context.layout.pipeline_ranks()[0]
+
+    def share_plan(self, request: MemoryRequest, solved: MemoryPlanResult | None = None) -> MemoryPlanResult:
+        """The pipeline's first rank solves ``request`` (or takes ``solved``, solved ahead), every rank gets it."""
         first = self.context.layout.pipeline_ranks()[0]
         result = None
-        if self.context.global_rank == first:  # one rank decides: the MILP's time limit may end differently elsewhere
-            result = plan_memory(
-                program, boundaries, shapes, self.profile, budget * (1.0 - self.planning_margin),
-                chunks=self.chunk_memory(batch, plan), **options,
-            )
+        if self.plans_here:  # one rank decides: the MILP's time limit may end differently elsewhere
+            result = solved if solved is not None else request.solve()
         if self.context.layout.pipeline_parallel_size > 1:
             result = collectives.broadcast_object(
                 result, first, self.context.groups.pipeline, f"the memory plan of rank {first} (its pipeline's first)"
@@ -450,6 +468,26 @@ class StrategyMemory:
         self.last_result = result
         log.debug("memory plan (%s): %s", result.method, result.plan.to_dict())
         return result
+
+
+@dataclass(frozen=True, eq=True)
+class MemoryRequest:
+    """Everything a memory plan is solved from (``planning.memory_planner.plan_memory``'s arguments)."""
+
+    program: Program
+    boundaries: tuple[int, ...]
+    shapes: tuple[MicrobatchShape, ...]
+    profile: MemoryProfile
+    budget: float
+    chunks: ChunkMemory | None
+    options: tuple[tuple[str, Any], ...]
+
+    def solve(self) -> MemoryPlanResult:
+        """The plan (pure computation: safe on a lookahead thread)."""
+        return plan_memory(
+            self.program, self.boundaries, list(self.shapes), self.profile, self.budget, chunks=self.chunks,
+            **dict(self.options),
+        )
 
 
 def _momentum(optimizer: Optimizer) -> float:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_pipe import ElasticPipelineStrategy
-from lightning_pipe.callbacks import MemoryPlanner
+from lightning_pipe.callbacks import MemoryPlanner, PipelineMonitor
 from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
 from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory, predict_memory
 from lightning_pipe.planning.plan import PipelinePlan
@@ -24,7 +24,7 @@ from lightning_pipe.strategies.memory import StrategyMemory, build_profile
 from tests.helpers.callbacks import RandomPlans
 from tests.helpers.loop import ScheduledGPT, rank_files
 from tests.helpers.models import TinyGPT
-from tests.helpers.training import START_METHOD, assert_same_parameters, fit, reference_batches, token_batches
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
 
 MICROBATCHES = 4
 
@@ -173,10 +173,15 @@ def test_memory_planner_fits_a_budget_below_the_no_recompute_peak(tmp_path):
     budget, none_peak = _budget(batches[0])
     assert none_peak > budget
     make = lambda: TinyGPT(layers=4).double()  # noqa: E731
-    callbacks = [MemoryPlanner(budget=budget), RecordMemory(tmp_path)]
-    pipelined = fit(make, batches, _strategy(), devices=2, steps=3, callbacks=callbacks)
+    callbacks = [MemoryPlanner(budget=budget), RecordMemory(tmp_path), PipelineMonitor(log_every_n_steps=1)]
+    pipelined = fit(make, batches, _strategy(), devices=2, steps=3, callbacks=callbacks, log_dir=tmp_path)
     reference = fit(make, reference_batches(batches, 1), steps=3)
     assert_same_parameters(pipelined, reference, atol=1e-10)
+    # the plans of batches 2 and 3 were solved on a lookahead thread while the batch before trained
+    background = logged(tmp_path, "pipeline/plan_background_s")
+    assert background[0] == 0.0 and all(b > 0 for b in background[1:])
+    fractions, plan_s = logged(tmp_path, "pipeline/plan_fraction"), logged(tmp_path, "pipeline/time/plan_s")
+    assert all(0 < f < 1 for f in fractions) and len(plan_s) == 3
     records = _records(tmp_path)
     for rank in (0, 1):
         for row in records[rank]:
