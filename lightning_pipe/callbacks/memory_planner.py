@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,8 +106,8 @@ class MemoryPlanner(L.Callback):
             job, self._job = self._job, None
             solved = job.join() if job is not None and job.key == request else None
             if solved is not None:
-                strategy.step_clock.add_background("plan", solved[1])
-            result = memory.share_plan(request, None if solved is None else solved[0])
+                strategy.step_clock.add_background("plan", job.seconds)
+            result = memory.share_plan(request, solved)
             self.results.append(result)
             self.looked_ahead.append(solved is not None)
             log.debug(
@@ -120,7 +119,7 @@ class MemoryPlanner(L.Callback):
                 found, upcoming = strategy.peek_next_batch()
                 if found:  # solved for this draft: the next batch usually runs the same partition and family
                     ahead = memory.memory_request(upcoming, (batch_idx + 1,), self.budget, self.lengths, draft, **options)
-                    self._job = LookaheadJob(ahead, lambda: _timed(ahead.solve), "MemoryPlanner-plan")
+                    self._job = LookaheadJob(ahead, ahead.solve, "MemoryPlanner-plan")
             return result.plan
 
         strategy.propose(PlanProposal(type(self).__name__, memory=plan_for, priority=self.priority))
@@ -131,8 +130,3 @@ class MemoryPlanner(L.Callback):
             self._job.thread.join()
             self._job = None
 
-
-def _timed(solve: Callable[[], MemoryPlanResult]) -> tuple[MemoryPlanResult, float]:
-    started = time.perf_counter()
-    result = solve()
-    return result, time.perf_counter() - started

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 import lightning as L
 
+from lightning_pipe.callbacks._lookahead import LookaheadJob
 from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.schedules import AutoScheduleRow, Schedule, auto_schedule, resolve_schedule
 
@@ -39,6 +42,8 @@ class ScheduleSwitch(L.Callback):
         memory_limit: bytes per rank the simulated peak must fit (``"auto"``); None: no limit.
         lengths_fn: ``lengths_fn(batch) -> one length per sample`` (``"auto"``); default: the token
             tensor's ``[B, T]``.
+        lookahead: ``"auto"`` ranks the next batch's candidates on a background thread while this
+            batch trains (used when the partition and family it assumed are still the running ones).
 
         priority: wins the schedule part over proposals of lower priority (``planning/proposals.py``).
 
@@ -59,6 +64,7 @@ class ScheduleSwitch(L.Callback):
         memory_limit: float | None = None,
         lengths_fn: Callable[[Any], Sequence[int]] | None = None,
         priority: int = 0,
+        lookahead: bool = True,
     ) -> None:
         if unit not in ("step", "epoch"):
             raise ValueError(f"`ScheduleSwitch(unit={unit!r})`: use 'step' or 'epoch'.")
@@ -83,6 +89,8 @@ class ScheduleSwitch(L.Callback):
         self.memory_limit = memory_limit
         self.lengths_fn = lengths_fn
         self.priority = priority
+        self.lookahead = lookahead
+        self._job: LookaheadJob | None = None
         self.switches: list[tuple[int, str]] = []
         self.last_rows: list[AutoScheduleRow] = []  # "auto": the latest ranking, best first
 
@@ -109,28 +117,63 @@ class ScheduleSwitch(L.Callback):
         log.info("ScheduleSwitch: %s %d -> schedule %s", self.unit, count, schedule.name)
 
     def _auto_schedule(self, strategy: PipelineStrategy, batch: Any, batch_idx: int) -> Schedule:
-        """The fastest candidate for this batch's costs, or the running schedule (see ``rule="auto"``)."""
+        """The fastest candidate for this batch's costs, or the running schedule (see ``rule="auto"``);
+        the next batch's choice is ranked on a lookahead thread while this one trains."""
         costs = strategy.costs
-        per_replica = costs.replica_values(costs.microbatch_lengths(batch, self.lengths_fn))
+        found, upcoming = strategy.peek_next_batch() if self.lookahead else (False, None)
+        mine = (costs.microbatch_lengths(batch, self.lengths_fn), costs.microbatch_lengths(upcoming, self.lengths_fn) if found else None)
+        everyone = costs.replica_values(mine)  # one collective for this batch and the next
+        per_replica = [e[0] for e in everyone]
         lengths = [n for replica in per_replica for mb in replica for n in mb]
         model = costs.ensure_estimate(batch, max(lengths), max(len(mb) for r in per_replica for mb in r), batch_idx).cost_model
-        shapes = costs.shapes(costs.heaviest(per_replica))
-        ranks = strategy.pipeline_parallel_size
+        key = _RankKey(model, tuple(costs.shapes(costs.heaviest(per_replica))), tuple(strategy.boundaries), strategy.schedule)
+        job, self._job = self._job, None
+        if job is not None and job.key == key:
+            schedule, rows = job.join()
+            strategy.step_clock.add_background("plan", job.seconds)
+        else:
+            schedule, rows = self._rank(strategy, key)
+        self.last_rows = rows
+        if found and all(e[1] is not None for e in everyone):
+            upcoming_shapes = tuple(costs.shapes(costs.heaviest([e[1] for e in everyone])))
+            ahead = _RankKey(model, upcoming_shapes, key.boundaries, schedule)  # if the partition stays
+            self._job = LookaheadJob(ahead, functools.partial(self._rank, strategy, ahead), "ScheduleSwitch-rank")
+        return schedule
+
+    def _rank(self, strategy: PipelineStrategy, key: _RankKey) -> tuple[Schedule, list[AutoScheduleRow]]:
+        """The schedule to run for ``key`` and the candidates' ranking (pure: runs on lookahead threads)."""
+        model, shapes, ranks = key.model, list(key.shapes), strategy.pipeline_parallel_size
 
         def stage_costs(num_stages: int) -> Any:
-            same = num_stages == len(strategy.boundaries) - 1
-            return model.stage_costs(strategy.boundaries if same else strategy.default_boundaries(num_stages), shapes)
+            same = num_stages == len(key.boundaries) - 1
+            return model.stage_costs(key.boundaries if same else strategy.default_boundaries(num_stages), shapes)
 
         def fitting(specs: Sequence[Any]) -> list[Any]:
             schedules = [resolve_schedule(spec) for spec in specs]
             return [s for s in schedules if ranks * s.stages_per_rank <= model.num_blocks]
 
         rows = auto_schedule(stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=fitting(self.candidates))
-        running = auto_schedule(stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=[strategy.schedule])
-        self.last_rows = rows
+        running = auto_schedule(stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=[key.running])
         if not rows or not running or not rows[0].fits:
-            return strategy.schedule
+            return key.running, rows
         best, now = rows[0], running[0]
         if now.fits and best.makespan >= now.makespan * (1.0 - self.margin):
-            return strategy.schedule
-        return best.schedule
+            return key.running, rows
+        return best.schedule, rows
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Finish a ranking still running in the background."""
+        if self._job is not None:
+            self._job.thread.join()
+            self._job = None
+
+
+@dataclass(frozen=True)
+class _RankKey:
+    """What ``ScheduleSwitch("auto")``'s choice depends on (a lookahead ranking is used only for an equal key)."""
+
+    model: Any
+    shapes: tuple
+    boundaries: tuple[int, ...]
+    running: Schedule
+

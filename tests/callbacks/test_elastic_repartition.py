@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_pipe import ElasticPipelineStrategy
-from lightning_pipe.callbacks import ElasticRepartition, ScheduleSwitch
+from lightning_pipe.callbacks import ElasticRepartition, PipelineMonitor, ScheduleSwitch
 from lightning_pipe.model import analyze_units, find_blocks
 from lightning_pipe.planning import CostModel, LinearCost, MicrobatchShape, UnitCost, plan_partition
 from lightning_pipe.profiling.estimate import estimate_costs
@@ -118,13 +118,14 @@ def test_schedule_switch_auto_moves_to_the_fastest_family(tmp_path):
         pipeline_parallel_size=2, num_microbatches=4, schedule="gpipe", start_method=START_METHOD
     )
     switch = ScheduleSwitch("auto", candidates=["gpipe", "zb_h1"])
-    pipelined = fit(
-        make, batches, strategy, devices=2, steps=3, callbacks=[switch, RecordPlans(str(tmp_path / "plans.jsonl"))]
-    )
+    callbacks = [switch, RecordPlans(str(tmp_path / "plans.jsonl")), PipelineMonitor(log_every_n_steps=1)]
+    pipelined = fit(make, batches, strategy, devices=2, steps=3, callbacks=callbacks, log_dir=tmp_path)
     reference = fit(make, reference_batches(batches, 1), steps=3)
     assert_same_parameters(pipelined, reference, atol=1e-10)
     schedules = [p["schedule"] for p in read_plans(tmp_path / "plans.jsonl")]
     assert schedules == ["zb_h1"] * 3  # zero-bubble H1 simulates faster than GPipe for every batch
+    background = logged(tmp_path, "pipeline/plan_background_s")  # batches 2 and 3 were ranked ahead
+    assert background[0] == 0.0 and all(b > 0 for b in background[1:])
 
 
 @pytest.mark.parametrize(
