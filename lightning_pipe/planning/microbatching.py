@@ -13,13 +13,25 @@ Pure Python and numpy: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 
-__all__ = ["balance_microbatch_sizes", "even_microbatch_sizes", "microbatch_shapes", "sample_costs"]
+__all__ = [
+    "balance_microbatch_sizes",
+    "even_microbatch_sizes",
+    "microbatch_shapes",
+    "padded_cost",
+    "padded_microbatch_sizes",
+    "sample_costs",
+]
+
+PaddedCost = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""``cost(samples, longest)``, elementwise: the work of microbatches of ``samples`` sequences cut to ``longest`` positions."""
+
+_EXACT_UP_TO = 32  # samples: a larger batch is cut at this many evenly spaced places (padded_microbatch_sizes)
 
 
 def even_microbatch_sizes(batch_size: int, num_microbatches: int) -> tuple[int, ...]:
@@ -122,3 +134,104 @@ def microbatch_shapes(lengths: Sequence[int], sizes: Sequence[int]) -> list[Micr
         shapes.append(MicrobatchShape.from_lengths([int(v) for v in lengths[start : start + n]]))
         start += n
     return shapes
+
+
+def padded_cost(cost_model: CostModel | None = None, length_offset: int = 0) -> PaddedCost:
+    """The work of padded microbatches, elementwise over arrays of ``samples`` and ``longest``: their
+    positions (``samples x longest``), or with ``cost_model`` their forward plus backward seconds over
+    all units at that shape (per-microbatch constants are the same for every split of a fixed count
+    and are left out)."""
+    if cost_model is None:
+        return lambda samples, longest: samples * longest
+    per_token = sum(u.forward.per_token + u.backward.per_token for u in cost_model.units)
+    per_square = sum(u.forward.per_squared_length + u.backward.per_squared_length for u in cost_model.units)
+
+    def cost(samples: np.ndarray, longest: np.ndarray) -> np.ndarray:
+        n = np.maximum(1, longest - length_offset)
+        return samples * (per_token * n + per_square * n * n)
+
+    return cost
+
+
+def padded_microbatch_sizes(
+    lengths: Sequence[int], num_microbatches: int, num_stages: int, cost: PaddedCost | None = None
+) -> tuple[int, ...]:
+    """Consecutive sizes for samples ordered longest first, each microbatch cut to its own longest.
+
+    A microbatch of sorted sequences runs at its first sample's length, so equal sample counts put the
+    longest few together in one heavy microbatch and the pipeline runs at its pace. The sizes chosen
+    here minimize a 1F1B pipeline's step estimate over contiguous splits,
+    ``sum(c_m) + (num_stages - 1) * max(c_m)`` with ``c_m = cost(samples_m, longest_m)`` (the steady
+    phase runs every microbatch once per stage; warm-up and cool-down add the heaviest one per extra
+    stage), as DynaPipe sizes microbatches by a cost model: every possible heaviest part is tried, with
+    a dynamic program for the least sum under it. Exact up to 32 samples; a larger batch is cut only
+    at 32 evenly spaced places (sizes then come in steps of about ``len(lengths) / 32`` samples), to
+    keep planning within milliseconds.
+
+    Args:
+        lengths: real lengths of the samples, longest first.
+        num_microbatches: microbatches wanted (``min(num_microbatches, len(lengths))`` are made).
+        num_stages: pipeline stages the microbatches flow through.
+        cost: the work of microbatches, elementwise over arrays (default :func:`padded_cost`: positions).
+
+    Returns:
+        Samples of each microbatch, in order.
+
+    Raises:
+        ValueError: for no samples, ``num_microbatches < 1`` or lengths not longest first.
+    """
+    values = np.asarray([int(n) for n in lengths], dtype=float)
+    if values.size == 0 or num_microbatches < 1:
+        raise ValueError(f"Need at least one sample and one microbatch, got {values.size} and {num_microbatches}.")
+    if np.any(values[1:] > values[:-1]):
+        raise ValueError("`lengths` must be ordered longest first (the order the microbatches are cut in).")
+    cost = cost or padded_cost()
+    count = min(num_microbatches, values.size)
+    cuts = np.unique(np.round(np.linspace(0, values.size, min(values.size, max(_EXACT_UP_TO, 2 * count)) + 1)).astype(int))
+    start, end = np.meshgrid(cuts, cuts, indexing="ij")  # part[a, b]: samples cuts[a]..cuts[b]-1
+    part = np.full(start.shape, np.inf)
+    valid = end > start
+    part[valid] = cost(end[valid] - start[valid], values[start[valid]])
+    caps = np.unique(part[valid])
+    least_sum = _least_sums(part, count, caps[-1:])[0][0]  # no split under any heaviest part sums to less
+    best, best_parts = np.inf, None
+    for block in range(0, caps.size, _CAPS_PER_BLOCK):  # ascending: stop once the bound reaches the best
+        block_caps = caps[block : block + _CAPS_PER_BLOCK]
+        if least_sum + (num_stages - 1) * block_caps[0] >= best:
+            break
+        totals, parts_of = _least_sums(part, count, block_caps)
+        values_ = totals + (num_stages - 1) * block_caps
+        index = int(np.argmin(values_))
+        if values_[index] < best:
+            best, best_parts = float(values_[index]), parts_of(index)
+    if best_parts is None:  # fewer cut places than microbatches
+        return even_microbatch_sizes(values.size, count)
+    return tuple(int(cuts[b] - cuts[a]) for a, b in best_parts)
+
+
+_CAPS_PER_BLOCK = 32
+
+
+def _least_sums(part: np.ndarray, count: int, caps: np.ndarray) -> tuple[np.ndarray, Callable[[int], list]]:
+    """Per cap: the least total cost of ``count`` consecutive non-empty parts none above it; and a
+    function giving cap ``k``'s parts (index pairs into ``part``)."""
+    places = part.shape[0]
+    allowed = np.where(part[None] <= caps[:, None, None] * (1 + 1e-12), part[None], np.inf)
+    total = np.full((caps.size, places), np.inf)
+    total[:, 0] = 0.0
+    choices = []
+    for _ in range(count):
+        candidates = total[:, :, None] + allowed  # [cap, from, to]
+        choice = np.argmin(candidates, axis=1)
+        total = np.take_along_axis(candidates, choice[:, None, :], axis=1)[:, 0, :]
+        choices.append(choice)
+
+    def parts_of(k: int) -> list[tuple[int, int]]:
+        parts, end = [], places - 1
+        for choice in reversed(choices):
+            begin = int(choice[k, end])
+            parts.append((begin, end))
+            end = begin
+        return parts[::-1]
+
+    return total[:, places - 1], parts_of

@@ -125,6 +125,7 @@ def plan_microbatches(
     microbatch_sizes: Sequence[int] | None = None,
     trim_padding: bool = False,
     group_by_length: bool = False,
+    grouped_sizes: Callable[[list[int]], Sequence[int]] | None = None,
 ) -> MicrobatchPlan:
     """Plan the microbatches of ``batch``: ``num_microbatches`` of them, or one per sample if fewer.
 
@@ -144,6 +145,9 @@ def plan_microbatches(
         group_by_length: with ``trim_padding``, first order the samples by their real length
             (longest first), so that each microbatch holds sequences of similar length. Not with
             ``microbatch_sizes``: sizes are planned for the batch's own order.
+        grouped_sizes: with ``group_by_length``, the rule that sizes the microbatches of the ordered
+            samples, given their real lengths longest first (a planner's, for example
+            ``planning.microbatching.padded_microbatch_sizes``); None: even counts.
 
     Raises:
         ValueError: the tensors disagree on the batch size, an item has no such dimension, no
@@ -194,11 +198,15 @@ def plan_microbatches(
     weights = tuple((end - start) / batch_size for start, end in ranges)
     plan = MicrobatchPlan(batch_size, ranges, weights, (None,) * len(ranges), tuple(items))
     if trim_padding and batch_dim == 0:
-        plan = _trimmed(plan, dict(leaves), group_by_length and microbatch_sizes is None)
+        grouping = group_by_length and microbatch_sizes is None
+        plan = _trimmed(plan, dict(leaves), grouping, grouped_sizes if grouping else None)
     return plan
 
 
-def _trimmed(plan: MicrobatchPlan, leaves: dict[tuple, Any], group_by_length: bool) -> MicrobatchPlan:
+def _trimmed(
+    plan: MicrobatchPlan, leaves: dict[tuple, Any], group_by_length: bool,
+    grouped_sizes: Callable[[list[int]], Sequence[int]] | None,
+) -> MicrobatchPlan:
     """``plan`` with each microbatch cut to its real tokens (unchanged if the batch shows no padding)."""
     padding = find_padding(leaves, [item.path for item in plan.items if item.kind == TENSOR and item.dim == 0])
     if padding is None or not padding.items:
@@ -208,6 +216,11 @@ def _trimmed(plan: MicrobatchPlan, leaves: dict[tuple, Any], group_by_length: bo
         lengths = padding.content_lengths()
         ranked = tuple(sorted(range(plan.batch_size), key=lambda i: -lengths[i]))  # stable: ties keep their order
         order = ranked if ranked != tuple(range(plan.batch_size)) else None
+        if grouped_sizes is not None:
+            sizes = grouped_sizes([int(lengths[i]) for i in ranked])
+            ranges = sized_ranges(plan.batch_size, plan.num_microbatches, sizes)
+            weights = tuple((end - start) / plan.batch_size for start, end in ranges)
+            plan = dataclasses.replace(plan, sample_ranges=ranges, weights=weights)
     plan = dataclasses.replace(plan, order=order, padding=padding)
     windows = tuple(padding.window(plan.samples(mb)) for mb in range(plan.num_microbatches))
     if all(w is None for w in windows) and order is None:

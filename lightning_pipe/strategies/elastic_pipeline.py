@@ -47,6 +47,7 @@ from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.chunking import PlannedChunks, chunk_pieces
+from lightning_pipe.planning.microbatching import padded_microbatch_sizes
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.runtime.loss_weights import (
@@ -165,8 +166,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             and the loss; a model whose result depends on the padding runs uncut, with one log line
             saying why. See the user guide.
         group_by_length: with ``trim_padding``, order a batch's samples by length before cutting it
-            into microbatches, so each microbatch holds sequences of similar length (the batch's
-            loss, sum of gradients and logged means do not depend on which samples run together).
+            into microbatches, so each microbatch holds sequences of similar length, and size the
+            microbatches so that the longest sequences do not run together in one heavy microbatch
+            (``planning.microbatching.padded_microbatch_sizes``: the least padded positions summed
+            plus the heaviest microbatch's once per extra stage). The batch's loss, sum of gradients
+            and logged means do not depend on which samples run together.
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
             writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
             ``ModelParallelStrategy`` and ``FSDPStrategy`` do), so memory and time scale with a rank's
@@ -846,9 +850,14 @@ class ElasticPipelineStrategy(ParallelStrategy):
         batch_dim = 0 if self._batch_dim is None else self._batch_dim
         if sizes is not None and sum(sizes) != batch_size_of(batch, batch_dim):
             sizes = None
+        # sized by padded positions alone (not a cost model that a planner may set between two
+        # ranks' looks at the batch): every rank of a pipeline must cut the batch the same way
+        grouped_sizes = functools.partial(
+            padded_microbatch_sizes, num_microbatches=count, num_stages=self.pipeline_parallel_size
+        )
         return plan_microbatches(
             batch, count, batch_dim, microbatch_sizes=sizes, trim_padding=trim,
-            group_by_length=trim and self._group_by_length,
+            group_by_length=trim and self._group_by_length, grouped_sizes=grouped_sizes,
         )
 
     def _keep_split(self, batch: Any, key: tuple, split: SplitBatch) -> SplitBatch:

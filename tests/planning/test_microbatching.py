@@ -1,8 +1,10 @@
-"""Microbatches sized by work: the balanced split is the exact min-max contiguous split."""
+"""Microbatches sized by work: the balanced split is the exact min-max contiguous split; the padded
+split of length-ordered samples is the best contiguous one for the pipeline's step estimate."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from lightning_pipe.planning.microbatching import (
     balance_microbatch_sizes,
     even_microbatch_sizes,
     microbatch_shapes,
+    padded_microbatch_sizes,
     sample_costs,
 )
 
@@ -56,3 +59,50 @@ def test_checks():
         balance_microbatch_sizes([1.0, -1.0], 2)
     with pytest.raises(ValueError, match="sum to 3"):
         microbatch_shapes([1, 2], [1, 2])
+
+
+def _padded_objective(lengths, sizes, stages):
+    costs, start = [], 0
+    for n in sizes:
+        costs.append(n * lengths[start])
+        start += n
+    return sum(costs) + (stages - 1) * max(costs)
+
+
+def _compositions(total, parts):
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padded_sizes_are_the_best_contiguous_split(seed):
+    rng = random.Random(seed)
+    size, count, stages = rng.randint(2, 10), rng.randint(1, 4), rng.randint(1, 4)
+    lengths = sorted((rng.choice([2, 3, 5, 8, 13, 40, 200]) for _ in range(size)), reverse=True)
+    sizes = padded_microbatch_sizes(lengths, count, stages)
+    best = min(_padded_objective(lengths, c, stages) for c in _compositions(size, min(count, size)))
+    assert sum(sizes) == size and len(sizes) == min(count, size)
+    assert _padded_objective(lengths, sizes, stages) == best
+
+
+def test_padded_sizes_keep_even_counts_for_equal_lengths_and_isolate_a_long_tail():
+    assert padded_microbatch_sizes([64] * 16, 4, 2) == (4, 4, 4, 4)
+    assert padded_microbatch_sizes([512] + [16] * 15, 4, 2)[0] == 1  # the long sequence runs alone
+
+
+def test_padded_sizes_of_a_large_batch_beat_even_counts():
+    rng = random.Random(0)
+    lengths = sorted((int(rng.lognormvariate(4, 1)) + 4 for _ in range(300)), reverse=True)
+    sizes = padded_microbatch_sizes(lengths, 8, 4)
+    assert sum(sizes) == 300 and len(sizes) == 8
+    even = even_microbatch_sizes(300, 8)
+    assert _padded_objective(lengths, sizes, 4) < 0.8 * _padded_objective(lengths, even, 4)
+
+
+def test_padded_sizes_need_lengths_longest_first():
+    with pytest.raises(ValueError, match="longest first"):
+        padded_microbatch_sizes([3, 5], 2, 2)
