@@ -19,6 +19,7 @@ from lightning_pipe.model._torch_compat import private_name, tensor_registries, 
 
 __all__ = [
     "TorchDispatchMode",
+    "accumulate_from_edges",
     "flash_attention_cpu_ops",
     "grad_output_count",
     "op_argument_names",
@@ -32,6 +33,20 @@ __all__ = [
 
 # the base class of dispatch modes (the FLOP and saved-bytes counters of the cost probe)
 TorchDispatchMode = private_name("torch.utils._python_dispatch", "TorchDispatchMode", "runtime/_torch_compat.py")
+
+
+_ENGINE_RUN_BACKWARD = private_name("torch.autograd.graph", "_engine_run_backward", "runtime/_torch_compat.py")
+
+
+def accumulate_from_edges(edges: tuple, grads: tuple[Tensor, ...], inputs: tuple[Tensor, ...]) -> None:
+    """``torch.autograd.backward(edges, grads, inputs=inputs, retain_graph=True)`` without its checks.
+
+    The zero-bubble W pass runs one engine call per parameter group with gradients the I pass
+    captured from the same graph (their shapes and dtypes are the nodes' own), so the public call's
+    validation of every gradient (``_make_grads``, about a tenth of a W pass on CPU) is skipped by
+    calling the engine entry it ends in, the private ``torch.autograd.graph._engine_run_backward``.
+    """
+    _ENGINE_RUN_BACKWARD(edges, grads, True, False, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 def grad_output_count(node: Node) -> int:

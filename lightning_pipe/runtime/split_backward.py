@@ -8,7 +8,8 @@ computes only the parameters' gradients, one parameter group at a time, so no in
 computed twice. Parameters whose subgraph never meets that path (all of them on a first stage,
 whose inputs are token ids) start from the stage outputs with the output gradients.
 
-W accumulates through the autograd engine (``torch.autograd.backward(..., inputs=params)``), so
+W accumulates through the autograd engine (``backward(..., inputs=params)``, entered without the
+public call's gradient checks: ``_torch_compat.accumulate_from_edges``), so
 ``.grad`` accumulation and post-accumulate-grad hooks (optimizer offload) work as in one pass.
 The gradients are exact: the same chain rule in another order of summation per parameter.
 """
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
 
-from lightning_pipe.runtime._torch_compat import grad_output_count
+from lightning_pipe.runtime._torch_compat import accumulate_from_edges, grad_output_count
 
 
 @dataclass
@@ -57,7 +58,7 @@ class WeightPass:
                 handles = [node.register_prehook(lambda _, saved=captured: saved) for node, captured in group.grads.items()]
             try:
                 params = [self.params_by_node[node] for node in group.params]
-                torch.autograd.backward(edges, grad_tensors=grads, inputs=params, retain_graph=True)
+                accumulate_from_edges(tuple(edges), tuple(grads), tuple(params))
             finally:
                 for handle in handles:
                     handle.remove()

@@ -81,6 +81,19 @@ def test_grad_output_count_counts_a_nodes_outputs():
     assert compat.grad_output_count(a.grad_fn) == 2
 
 
+def test_accumulate_from_edges_is_backward_from_gradient_edges():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).double()
+    x = torch.randn(5, 4, dtype=torch.double, requires_grad=True)
+    y = layer(x)
+    grad = torch.randn_like(y)
+    edge = torch.autograd.graph.GradientEdge(y.grad_fn, 0)
+    compat.accumulate_from_edges((edge,), (grad,), (layer.weight,))
+    compat.accumulate_from_edges((edge,), (grad,), (layer.weight,))  # accumulates, graph retained
+    assert x.grad is None and layer.bias.grad is None  # only the inputs asked for
+    assert torch.allclose(layer.weight.grad, 2 * grad.T @ x.detach(), atol=1e-12)
+
+
 def test_model_names():
     assert issubclass(nn.BatchNorm2d, model_compat.BatchNormBase) and not issubclass(nn.LayerNorm, model_compat.BatchNormBase)
     assert model_compat.legacy_reduction(None, None) == "mean"
