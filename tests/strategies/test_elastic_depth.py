@@ -160,10 +160,12 @@ def test_elastic_depth_follows_lengths_exactly(tmp_path):
 @pytest.mark.timeout(300)
 def test_sharded_checkpoint_of_replicas_resumes_exactly(tmp_path):
     """A checkpoint written by two replicas of one stage (layout (2,), both holding every tensor)
-    loads into the next run's starting layout (2 stages) and resumes exactly, still regrouping."""
+    loads into the next run's starting layout (2 stages), which then moves to the saved layout, and
+    resumes exactly, still regrouping."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.helpers.loop import run
+    from tests.strategies.test_elastic_depth_io import RecordStart
 
     batches = token_batches(1, batch_size=4, lengths=[9])  # one step per epoch: checkpoints at epoch ends
     make = lambda: TinyGPT(layers=4).double()
@@ -177,9 +179,13 @@ def test_sharded_checkpoint_of_replicas_resumes_exactly(tmp_path):
     assert path.is_dir()
     meta = torch.load(path / "meta.pt", weights_only=False)
     assert meta["pipeline"]["plan"]["widths"] == [2]
+    records = tmp_path / "resumed"
+    records.mkdir()
     resumed, _, _ = run(
         make, batches, elastic(), devices=2, max_steps=3, ckpt_path=str(path),
-        callbacks=[RandomLayouts([(1, 1), (2,)])],
+        callbacks=[RandomLayouts([(1, 1), (2,)]), RecordStart(records)],
     )
     reference, _, _ = run(make, batches, max_steps=3)
     assert_same_parameters(resumed, reference, atol=1e-10)
+    starts = [json.loads(text.splitlines()[0]) for text in rank_files(records).values()]
+    assert [row["widths"] for row in starts] == [[2], [2]]  # resumed on the saved layout, then regrouped
