@@ -189,3 +189,19 @@ def test_sharded_checkpoint_of_replicas_resumes_exactly(tmp_path):
     assert_same_parameters(resumed, reference, atol=1e-10)
     starts = [json.loads(text.splitlines()[0]) for text in rank_files(records).values()]
     assert [row["widths"] for row in starts] == [[2], [2]]  # resumed on the saved layout, then regrouped
+
+
+@pytest.mark.parametrize("other", ["ElasticRepartition", "MemoryPlanner", "AutoPlanner"])
+def test_elastic_depth_refuses_other_planners_before_training(other):
+    """Planners of the partition or of memory plans next to `ElasticDepth` are refused in `setup`."""
+    from types import SimpleNamespace
+
+    from lightning_pipe import callbacks
+    from lightning_pipe.strategies.regrouping import Regrouping
+
+    depth = callbacks.ElasticDepth()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(regrouping=Regrouping()), callbacks=[depth, getattr(callbacks, other)()])
+    with pytest.raises(ValueError, match=f"the Trainer also has {other}.*Remove them from `callbacks`"):
+        depth.setup(trainer, None, "fit")
+    trainer.callbacks = [depth]
+    depth.setup(trainer, None, "fit")  # alone it is fine

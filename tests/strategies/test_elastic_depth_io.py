@@ -69,7 +69,7 @@ def test_predict_under_widths(tmp_path):
     """``trainer.predict`` on layout (1, 2): the width-2 last stage splits the microbatches between its
     replicas and the predictions equal one process's, in order."""
     batches = token_batches(2, batch_size=5, lengths=[6, 9], seed=2)
-    make = lambda: PredictGPT(layers=4).double()  # noqa: E731
+    make = lambda: PredictGPT(layers=4).double()
     on = PredictOn(tmp_path, (1, 2), (0, 3, 4))
     _, _, predictions = run(make, strategy=elastic(), devices=3, method="predict", val=batches, callbacks=[on])
     _, _, expected = run(make, method="predict", val=batches)
@@ -86,7 +86,7 @@ def test_consolidated_checkpoint_under_widths_loads_and_resumes(tmp_path):
     into a plain one-process module with one device's parameters, and a resumed run continues on the
     saved layout (not the strategy's first one), exactly."""
     batches = token_batches(1, batch_size=4, lengths=[9])  # one step per epoch: resumes at an epoch's end
-    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    make = lambda: TinyGPT(layers=4).double()
     saving = ModelCheckpoint(tmp_path / "saved", every_n_train_steps=2, save_top_k=-1)
     proposer = RandomLayouts(LAYOUTS, seed=3)  # (1, 1, 1) at setup, then both layouts
     run(make, batches, elastic(save_distributed_checkpoint=False), devices=3, max_steps=2, callbacks=[proposer, saving])
