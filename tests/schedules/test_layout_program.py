@@ -66,7 +66,7 @@ def test_the_simulator_runs_layout_programs():
     from lightning_pipe.schedules import ActionCosts, simulate
 
     count = 8
-    costs = lambda stages: ActionCosts.uniform(stages, count, forward=1.0, backward=2.0, latency=0.1)  # noqa: E731
+    costs = lambda stages: ActionCosts.uniform(stages, count, forward=1.0, backward=2.0, latency=0.1)
     deep = simulate(layout_1f1b((1, 1, 1, 1), count), costs(4))
     assert deep.makespan == pytest.approx(simulate(one_f_one_b(4, count), costs(4)).makespan)
     flat = simulate(layout_1f1b((4,), count), costs(1))
