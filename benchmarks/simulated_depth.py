@@ -30,9 +30,18 @@ replayed in order; for the rows whose brute force (every layout of the searched 
 in reasonable time, the wall-clock seconds of ``decide_depth(search="hbsa")`` and
 ``decide_depth(search="brute_force")`` on this machine, and the layouts priced.
 
+All-reduces follow the paper's testbed (``--devices-per-node 4``: NVLink 300 GB/s inside a server,
+InfiniBand 50 GB/s across; ``planning.layout_simulation.NodeTopology``). The column "bound vs
+static" is static's seconds over ``lower_bound_seconds`` (no bubble, communication or recompute):
+the most any depth policy could gain in this model. ``--flan-max-length 8192 --attention-memory
+scores`` is the paper's regime (its maximum lengths; the attention-score memory its Fig. 3 implies).
+
 How it was run (numbers in docs/repartitioning.md)::
 
-    python benchmarks/simulated_depth.py --batches 48 --plot docs/img/depth_over_batches.png
+    python benchmarks/simulated_depth.py --batches 32
+    python benchmarks/simulated_depth.py --batches 32 --flan-max-length 8192 --attention-memory scores
+    python benchmarks/simulated_depth.py --batches 32 --traces github --models 7b --devices 8 \
+        --plot docs/img/depth_over_batches.png
     python benchmarks/simulated_depth.py --hbsa
 """
 

@@ -208,3 +208,22 @@ def test_elastic_depth_refuses_other_planners_before_training(other):
         depth.setup(trainer, None, "fit")
     trainer.callbacks = [depth]
     depth.setup(trainer, None, "fit")  # alone it is fine
+
+
+def test_saved_plan_restores_only_a_layout_that_fits(caplog):
+    """A resume moves to the checkpoint's layout when it has widths and fits the run; otherwise it
+    keeps its own layout (and says so when the record does not fit)."""
+    from lightning_pipe.planning.plan import PipelinePlan
+    from lightning_pipe.strategies.regrouping import Regrouping
+
+    current = PipelinePlan((0, 1, 2, 3, 4), num_microbatches=4)
+    record = {"plan": {"boundaries": [0, 3, 4], "widths": [1, 3]}}
+    plan = Regrouping.saved_plan(record, current, 4)
+    assert plan.widths == (1, 3) and plan.boundaries == (0, 3, 4) and plan.num_microbatches == 4
+    assert Regrouping.saved_plan(None, current, 4) is None
+    assert Regrouping.saved_plan({"plan": {"boundaries": [0, 2, 4], "widths": None}}, current, 4) is None
+    assert Regrouping.saved_plan(record, plan, 4) is None  # already there
+    with caplog.at_level("WARNING"):
+        assert Regrouping.saved_plan(record, current, 2) is None  # saved by 4 processes, resumed on 2
+        assert Regrouping.saved_plan({"plan": {"boundaries": [0, 3, 6], "widths": [2, 2]}}, current, 4) is None
+    assert caplog.text.count("does not fit this run") == 2
