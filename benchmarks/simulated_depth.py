@@ -30,9 +30,18 @@ replayed in order; for the rows whose brute force (every layout of the searched 
 in reasonable time, the wall-clock seconds of ``decide_depth(search="hbsa")`` and
 ``decide_depth(search="brute_force")`` on this machine, and the layouts priced.
 
+All-reduces follow the paper's testbed (``--devices-per-node 4``: NVLink 300 GB/s inside a server,
+InfiniBand 50 GB/s across; ``planning.layout_simulation.NodeTopology``). The column "bound vs
+static" is static's seconds over ``lower_bound_seconds`` (no bubble, communication or recompute):
+the most any depth policy could gain in this model. ``--flan-max-length 8192 --attention-memory
+scores`` is the paper's regime (its maximum lengths; the attention-score memory its Fig. 3 implies).
+
 How it was run (numbers in docs/repartitioning.md)::
 
-    python benchmarks/simulated_depth.py --batches 48 --plot docs/img/depth_over_batches.png
+    python benchmarks/simulated_depth.py --batches 32
+    python benchmarks/simulated_depth.py --batches 32 --flan-max-length 8192 --attention-memory scores
+    python benchmarks/simulated_depth.py --batches 32 --traces github --models 7b --devices 8 \
+        --plot docs/img/depth_over_batches.png
     python benchmarks/simulated_depth.py --hbsa
 """
 
@@ -43,6 +52,7 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +65,7 @@ from lightning_pipe.planning import CostModel, MicrobatchShape, flan_like_trace,
 from lightning_pipe.planning.depth_estimators import CostModelDepthEstimator
 from lightning_pipe.planning.hbsa import decide_depth
 from lightning_pipe.planning.layout import Layout, estimate_layout_migration, uniform_layout
-from lightning_pipe.planning.layout_simulation import simulate_layout
+from lightning_pipe.planning.layout_simulation import NodeTopology, simulate_layout
 from lightning_pipe.planning.traces import split_microbatches
 
 GIB = 2**30
@@ -87,6 +97,7 @@ class Row:
     recompute: bool
     tokens: int
     longest: list[int]
+    bound_seconds: float
     static: PolicyResult
     fixed: PolicyResult
     elastic: PolicyResult
@@ -96,12 +107,30 @@ class Row:
         return self.tokens / policy.seconds
 
 
-def traces(num_batches: int, seed: int) -> dict[str, list[tuple[int, ...]]]:
-    """The two workloads, deterministic by seed."""
+def traces(
+    num_batches: int, seed: int, flan_batch_size: int = 64, flan_max_length: int = 65536
+) -> dict[str, list[tuple[int, ...]]]:
+    """The two workloads, deterministic by seed.
+
+    The paper's own runs are FLANv2 with global batches of 4 (Fig. 8) to 64 (Fig. 9) sequences and
+    maximum lengths 512 to 8192 (Fig. 8's x-axis, Table 2's mu); ``flan_batch_size`` and
+    ``flan_max_length`` select that regime (the default, 64 sequences up to 65536 tokens, is its
+    largest batch with a longer tail).
+    """
     return {
-        "flan": list(flan_like_trace(num_batches, batch_size=64, seed=seed).batches),
+        "flan": list(flan_like_trace(num_batches, batch_size=flan_batch_size, seed=seed, max_length=flan_max_length).batches),
         "github": list(github_like_trace(num_batches, tokens_per_batch=262144, seed=seed).batches),
     }
+
+
+def lower_bound_seconds(model: CostModel, lengths: Sequence[int], devices: int) -> float:
+    """Seconds no layout can beat on one batch: the larger of the batch's compute spread evenly over
+    the devices and its longest sequence's forward and backward through every unit (a sequence is
+    never cut and its units run one after another). No bubble, transfer, all-reduce or recompute:
+    ``static / bound`` is the most any depth policy could gain over static in this model."""
+    tables = model.tables([MicrobatchShape.from_lengths([length]) for length in lengths])
+    per_sequence = tables.forward.sum(axis=0) + tables.backward.sum(axis=0)  # [sequence]
+    return max(float(per_sequence.sum()) / devices, float(per_sequence.max()))
 
 
 def static_layout(
@@ -120,19 +149,23 @@ def static_layout(
     raise ValueError("no uniform layout fits the trace even with recomputation")
 
 
-def run_static(model: CostModel, batches, layout: Layout, recompute: bool, limit: float) -> PolicyResult:
+def run_static(
+    model: CostModel, batches, layout: Layout, recompute: bool, limit: float, topology: NodeTopology | None
+) -> PolicyResult:
     """One layout for every batch."""
     result = PolicyResult()
     flags = (recompute,) * layout.num_stages
     for batch in batches:
-        simulated = simulate_layout(model, batch, layout, recompute=flags)
+        simulated = simulate_layout(model, batch, layout, recompute=flags, topology=topology)
         result.seconds += simulated.step_seconds
         result.out_of_memory_steps += max(simulated.peak_memory) > limit * (1 + 1e-9)
         result.layouts.append(layout)
     return result
 
 
-def run_fixed(model: CostModel, batches, start: Layout, recompute: bool, limit: float, horizon: int) -> PolicyResult:
+def run_fixed(
+    model: CostModel, batches, start: Layout, recompute: bool, limit: float, horizon: int, topology: NodeTopology | None
+) -> PolicyResult:
     """Same depth and widths; boundaries re-chosen per batch by local search (move one boundary by
     one block while the estimate, with the migration amortized over ``horizon`` steps, improves)."""
     result = PolicyResult()
@@ -140,7 +173,7 @@ def run_fixed(model: CostModel, batches, start: Layout, recompute: bool, limit: 
     current = start
     for batch in batches:
         started = time.perf_counter()
-        estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit)
+        estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit, topology=topology)
 
         def price(layout: Layout, estimator=estimator, current=current) -> float:
             if max(estimator.memory(layout, flags)) > limit:
@@ -169,7 +202,7 @@ def run_fixed(model: CostModel, batches, start: Layout, recompute: bool, limit: 
             result.migrations += 1
             result.migration_seconds += moved
             current = best
-        simulated = simulate_layout(model, batch, current, recompute=flags)
+        simulated = simulate_layout(model, batch, current, recompute=flags, topology=topology)
         result.seconds += seconds + simulated.step_seconds
         result.out_of_memory_steps += max(simulated.peak_memory) > limit * (1 + 1e-9)
         result.layouts.append(current)
@@ -177,13 +210,19 @@ def run_fixed(model: CostModel, batches, start: Layout, recompute: bool, limit: 
 
 
 def run_elastic(
-    model: CostModel, batches, start: Layout, limit: float, horizon: int, max_candidates: int
+    model: CostModel,
+    batches,
+    start: Layout,
+    limit: float,
+    horizon: int,
+    max_candidates: int,
+    topology: NodeTopology | None,
 ) -> PolicyResult:
     """FMOP with HBSA per batch."""
     result = PolicyResult()
     current = start
     for batch in batches:
-        estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit)
+        estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit, topology=topology)
         started = time.perf_counter()
         decision = decide_depth(
             estimator, current, search="hbsa_tight", deeper=1, migration_horizon=horizon, max_candidates=max_candidates
@@ -199,7 +238,7 @@ def run_elastic(
         plan = decision.memory_plan
         flags = tuple(s in plan.recompute_stages for s in range(current.num_stages))
         result.memory_plans += not plan.empty
-        simulated = simulate_layout(model, batch, current, recompute=flags)
+        simulated = simulate_layout(model, batch, current, recompute=flags, topology=topology)
         predicted = estimator.step_seconds(current, flags if any(flags) else None)
         result.estimate_errors.append(abs(predicted - simulated.step_seconds) / simulated.step_seconds)
         result.seconds += seconds + simulated.step_seconds
@@ -211,8 +250,9 @@ def run_elastic(
 def run_configuration(trace: str, lengths, model_name: str, devices: int, args: argparse.Namespace) -> Row:
     """One (trace, model, devices) row."""
     limit = args.memory_gib * GIB
-    model = MODELS[model_name]()
+    model = MODELS[model_name](flash_attention=args.attention_memory == "flash")
     batches = [split_microbatches(batch, args.microbatches_per_device * devices) for batch in lengths]
+    topology = NodeTopology(args.devices_per_node) if args.devices_per_node else None
     layout, recompute = static_layout(model, batches, devices, limit)
     return Row(
         trace=trace,
@@ -222,9 +262,10 @@ def run_configuration(trace: str, lengths, model_name: str, devices: int, args: 
         recompute=recompute,
         tokens=sum(sum(batch) for batch in lengths),
         longest=[max(batch) for batch in lengths],
-        static=run_static(model, batches, layout, recompute, limit),
-        fixed=run_fixed(model, batches, layout, recompute, limit, args.horizon),
-        elastic=run_elastic(model, batches, layout, limit, args.horizon, args.max_candidates),
+        bound_seconds=sum(lower_bound_seconds(model, batch, devices) for batch in lengths),
+        static=run_static(model, batches, layout, recompute, limit, topology),
+        fixed=run_fixed(model, batches, layout, recompute, limit, args.horizon, topology),
+        elastic=run_elastic(model, batches, layout, limit, args.horizon, args.max_candidates, topology),
     )
 
 
@@ -234,7 +275,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     table = Table(title="Simulated throughput of elastic depth, tokens/s (higher is better)")
     for column in (
         "trace", "model", "devices", "static layout", "elastic tok/s", "fixed tok/s", "static tok/s",
-        "vs static", "vs fixed", "depths used", "reconfig.", "reconfig. s", "mem. plans", "plan ms (mean/max)",
+        "vs static", "vs fixed", "bound vs static", "depths used", "reconfig.", "reconfig. s", "mem. plans", "plan ms (mean/max)",
         "estimate err.",
     ):  # fmt: skip
         table.add_column(column, justify="right")
@@ -253,6 +294,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
             f"{static:,.0f}",
             f"{elastic / static:.3f}x",
             f"{elastic / fixed:.3f}x",
+            f"{row.static.seconds / row.bound_seconds:.2f}x",
             ",".join(map(str, depths)),
             f"{row.elastic.migrations}/{len(planning)}",
             f"{row.elastic.migration_seconds:.1f}",
@@ -274,7 +316,7 @@ def render(rows: list[Row], args: argparse.Namespace, wall: float) -> None:
     )
     console.print(
         f"run: python benchmarks/simulated_depth.py {' '.join(sys.argv[1:])}  |  {args.batches} batches per trace, "
-        f"seed {args.seed}, {args.memory_gib:g} GiB, {args.microbatches_per_device} microbatches per device, horizon "
+        f"seed {args.seed}, FLAN batch {args.flan_batch_size} up to {args.flan_max_length} tokens, {args.attention_memory} attention memory, {args.devices_per_node or 'no'} devices per node, {args.memory_gib:g} GiB, {args.microbatches_per_device} microbatches per device, horizon "
         f"{args.horizon}, HBSA at most {args.max_candidates} layouts per depth  |  {platform.python_version()}, {platform.machine()}, wall {wall:.1f} s"
     )
 
@@ -395,6 +437,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="1.3b,7b")
     parser.add_argument("--devices", default="8,16")
     parser.add_argument("--traces", default="flan,github")
+    parser.add_argument("--flan-batch-size", type=int, default=64, help="sequences per FLAN-like batch (paper: 4-64)")
+    parser.add_argument("--flan-max-length", type=int, default=65536, help="longest FLAN-like sequence (paper: 512-8192)")
+    parser.add_argument(
+        "--attention-memory", choices=("flash", "scores"), default="flash",
+        help="flash: activations linear in tokens; scores: attention scores kept (5 a s^2 bytes per layer), "
+        "the memory the paper's own numbers imply (Fig. 3: 290 GB for GPT-3.35B at 4k on 4 GPUs)",
+    )
+    parser.add_argument(
+        "--devices-per-node", type=int, default=4,
+        help="devices per server: all-reduce at 300 GB/s (NVLink) inside one, 50 GB/s (InfiniBand) across "
+        "(the paper's testbed, Sec. 7.1); 0: 50 GB/s everywhere",
+    )
     parser.add_argument("--microbatches-per-device", type=int, default=2)
     parser.add_argument("--memory-gib", type=float, default=80.0)
     parser.add_argument("--horizon", type=int, default=16, help="steps a reconfiguration is amortized over")
@@ -410,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.batches, args.models, args.devices, args.traces = 6, "1.3b", "8", "flan"
     started = time.perf_counter()
-    workloads = traces(args.batches, args.seed)
+    workloads = traces(args.batches, args.seed, args.flan_batch_size, args.flan_max_length)
     rows = [
         run_configuration(trace, workloads[trace], model, int(devices), args)
         for trace in args.traces.split(",")

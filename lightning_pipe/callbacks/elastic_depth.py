@@ -123,13 +123,15 @@ class ElasticDepth(L.Callback):
         self._strategy: PipelineStrategy | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Check that the Trainer runs the pipeline strategy with elastic depth."""
+        """Check that the Trainer runs the pipeline strategy with elastic depth and no planner whose
+        decisions it would fight (before training)."""
         if getattr(trainer.strategy, "regrouping", None) is None:
             raise TypeError(
                 "`ElasticDepth` changes stages and widths: it needs `ElasticPipelineStrategy(elastic_depth=True)`, the "
                 f"Trainer runs `{type(trainer.strategy).__name__}`"
                 f"{' without elastic_depth' if hasattr(trainer.strategy, 'regrouping') else ''}."
             )
+        _refuse_other_planners(trainer.callbacks)
         self._strategy = trainer.strategy
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -214,3 +216,29 @@ def _running_layout(strategy: PipelineStrategy) -> Layout:
     plan = strategy.plan
     widths = plan.widths or (1,) * plan.num_stages
     return Layout(plan.boundaries, widths)
+
+
+def _refuse_other_planners(callbacks: Sequence[L.Callback]) -> None:
+    """Refuse planners that decide what elastic depth decides, before training starts.
+
+    ``ElasticRepartition`` and ``AutoPlanner`` propose boundaries for one replica per stage: the
+    partition part has one winner per step, so the planners would undo each other's layouts (every
+    layout is exact, but the run would follow neither planner). ``MemoryPlanner`` (and
+    ``AutoPlanner``'s memory part) propose recompute/offload plans, which layouts with widths do not
+    apply (``Regrouping.check_plan`` would stop the run at the first such step).
+
+    Raises:
+        ValueError: naming the callbacks to remove.
+    """
+    from lightning_pipe.callbacks.auto_planner import AutoPlanner
+    from lightning_pipe.callbacks.elastic_repartition import ElasticRepartition
+    from lightning_pipe.callbacks.memory_planner import MemoryPlanner
+
+    clashing = sorted({type(c).__name__ for c in callbacks if isinstance(c, (ElasticRepartition, MemoryPlanner, AutoPlanner))})
+    if clashing:
+        raise ValueError(
+            f"`ElasticDepth` chooses the stages, widths and boundaries of every step and runs layouts without memory "
+            f"plans; the Trainer also has {', '.join(clashing)}, which would propose boundaries for one replica per "
+            "stage or recompute/offload plans that layouts with widths do not apply. Remove them from `callbacks` "
+            "(keep `ElasticDepth` for elastic depth), or remove `ElasticDepth` and turn `elastic_depth` off to use them."
+        )

@@ -9,7 +9,8 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
 * ``pipeline/simulated_bubble_ratio``: the bubble the simulator predicts for the same program with
   this step's measured compute times and message latency (:func:`measured_latency`); the difference
   to the measured one is what the schedule and a constant latency do not explain (variable waits,
-  framework time between actions),
+  framework time between actions); under elastic depth the program is the layout's, one action
+  list per device (the all-reduce of a stage's replicas is not simulated),
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
 * ``pipeline/time/{part}_s``: where the first rank's step went (they sum to ``step_s``): its
   ``compute`` actions, blocked in receives (``wait``), posting sends (``send``),
@@ -374,8 +375,8 @@ class PipelineMonitor(L.Callback):
             if e.action.type in _COMPUTE:
                 stage_compute[e.action.stage] = stage_compute.get(e.action.stage, 0.0) + e.duration
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
-        layout_widths = getattr(strategy.program, "widths", None)  # a LayoutProgram: the simulator has no replicas
-        simulated = simulate_measured(events, strategy.program) if events and not layout_widths else None
+        layout_widths = getattr(strategy.program, "widths", None)  # a LayoutProgram: one action list per device
+        simulated = simulate_measured(events, strategy.program) if events else None
         recomputed, offloaded = _memory_plan_counts(strategy)
         return StepSummary(
             step=step,
@@ -414,7 +415,7 @@ class PipelineMonitor(L.Callback):
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
         path = os.path.join(self._directory(trainer), f"pipeline_timeline_step{step}.png")
         render_png(events, path, title=f"measured step {step} (bubble {bubble:.2f})")
-        if self.simulated_beside and not getattr(strategy.program, "widths", None):
+        if self.simulated_beside:
             simulated = simulate_measured(events, strategy.program)
             beside = path.replace(".png", "_simulated.png")
             render_png(

@@ -43,7 +43,12 @@ from lightning_pipe.planning.layout import (
     even_widths,
     uniform_layout,
 )
-from lightning_pipe.planning.layout_simulation import LayoutSimulation, estimate_layout_seconds, simulate_layout
+from lightning_pipe.planning.layout_simulation import (
+    LayoutSimulation,
+    NodeTopology,
+    estimate_layout_seconds,
+    simulate_layout,
+)
 from lightning_pipe.planning.joint import JointCache, JointCandidate, JointConfig, JointPlan, plan_joint
 from lightning_pipe.planning.memory_model import (
     MemoryPlan,
@@ -103,6 +108,7 @@ __all__ = [
     "MicrobatchShape",
     "MigrationCalibration",
     "MigrationEstimate",
+    "NodeTopology",
     "PartitionPlan",
     "PipelinePlan",
     "PlanProposal",

@@ -19,6 +19,7 @@ from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.hbsa import NO_MEMORY_PLAN, MemoryPlanCost
 from lightning_pipe.planning.layout import Layout, estimate_layout_migration
 from lightning_pipe.planning.layout_simulation import (
+    NodeTopology,
     StageTables,
     allreduce_seconds,
     estimate_layout_memory,
@@ -151,6 +152,9 @@ class CostModelDepthEstimator:
         allow_recompute: memory plans may recompute whole stages.
         include_gradients: migrations move gradients too (inside an accumulation window).
         migration_overhead: fixed seconds of any reconfiguration.
+        topology: servers of the devices for the all-reduce bandwidth of each stage
+            (:class:`~lightning_pipe.planning.layout_simulation.NodeTopology`); None: the cost
+            model's bandwidth everywhere.
     """
 
     cost_model: CostModel
@@ -160,6 +164,7 @@ class CostModelDepthEstimator:
     allow_recompute: bool = True
     include_gradients: bool = False
     migration_overhead: float = 0.0
+    topology: NodeTopology | None = None
     _tables: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -212,7 +217,7 @@ class CostModelDepthEstimator:
         return estimate_layout_seconds(
             self.tables(layout, recompute),
             layout.widths,
-            bandwidth=self.cost_model.bandwidth,
+            bandwidth=self.cost_model.bandwidth if self.topology is None else self.topology.stage_bandwidths(layout.widths),
             latency=self.cost_model.latency,
         )
 

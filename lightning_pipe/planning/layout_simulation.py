@@ -22,6 +22,12 @@ Two estimates of one batch on a :class:`~lightning_pipe.planning.layout.Layout`:
   HBSA to price every candidate; its error against the simulation is reported by the benchmark.
 
 Neither models overlap of the all-reduce with backward, nor contention between transfers.
+
+All-reduce links follow an optional :class:`NodeTopology` (the paper's testbed, Sec. 7.1: 4 A100
+per server on NVLink at 300 GB/s, servers on InfiniBand at 50 GB/s): a stage whose replicas sit on
+consecutive devices of one server all-reduces at the server's bandwidth, one spanning servers at
+the inter-server bandwidth (a flat ring is as slow as its slowest link). Without it, every
+all-reduce runs at the cost model's bandwidth.
 """
 
 from __future__ import annotations
@@ -97,6 +103,38 @@ def stage_tables(
     return StageTables(np.array(forward), np.array(backward), np.array(transfer), np.array(saved), static, gradient)
 
 
+@dataclass(frozen=True)
+class NodeTopology:
+    """Devices grouped into servers: all-reduce bandwidth inside one server and across servers.
+
+    Attributes:
+        devices_per_node: devices of one server (consecutive device indices).
+        intra_bandwidth: bytes per second among devices of one server (NVLink: 300e9).
+        inter_bandwidth: bytes per second between servers (InfiniBand: 50e9).
+    """
+
+    devices_per_node: int = 4
+    intra_bandwidth: float = 300e9
+    inter_bandwidth: float = 50e9
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1 or not self.intra_bandwidth > 0 or not self.inter_bandwidth > 0:
+            raise ValueError(
+                f"`NodeTopology` needs devices_per_node >= 1 and positive bandwidths, got {self.devices_per_node}, "
+                f"{self.intra_bandwidth}, {self.inter_bandwidth}."
+            )
+
+    def stage_bandwidths(self, widths: Sequence[int]) -> tuple[float, ...]:
+        """All-reduce bandwidth of every stage of ``widths`` (stage ``s`` on the next ``widths[s]`` devices)."""
+        bandwidths, first = [], 0
+        for width in widths:
+            last = first + int(width) - 1
+            same = first // self.devices_per_node == last // self.devices_per_node
+            bandwidths.append(self.intra_bandwidth if same else self.inter_bandwidth)
+            first = last + 1
+        return tuple(bandwidths)
+
+
 def allreduce_seconds(num_bytes: float, width: int, bandwidth: float, latency: float) -> float:
     """Ring all-reduce of ``num_bytes`` among ``width`` replicas (0 for one replica)."""
     if width <= 1:
@@ -135,6 +173,7 @@ def simulate_layout(
     recompute: Sequence[bool] | None = None,
     allreduce_bandwidth: float | None = None,
     allreduce_latency: float | None = None,
+    topology: NodeTopology | None = None,
 ) -> LayoutSimulation:
     """Event simulation of one batch on ``layout`` (see the module docstring).
 
@@ -146,6 +185,8 @@ def simulate_layout(
         recompute: per stage, recompute activations in backward.
         allreduce_bandwidth: bytes per second of the all-reduce links; default the cost model's.
         allreduce_latency: seconds per all-reduce message; default the cost model's latency.
+        topology: servers of the devices; when given, each stage's all-reduce runs at its
+            :meth:`NodeTopology.stage_bandwidths` (``allreduce_bandwidth`` is then ignored).
 
     Raises:
         ValueError: if the layout does not match the model.
@@ -213,11 +254,12 @@ def simulate_layout(
         free_at[stage][replica] = end
         remaining -= 1
     bandwidth = cost_model.bandwidth if allreduce_bandwidth is None else allreduce_bandwidth
+    bandwidths = (bandwidth,) * num_stages if topology is None else topology.stage_bandwidths(layout.widths)
     latency = cost_model.latency if allreduce_latency is None else allreduce_latency
     step = 0.0
     for stage, width in enumerate(layout.widths):
         done = max(free_at[stage])
-        step = max(step, done + allreduce_seconds(float(tables.gradient[stage]), width, bandwidth, latency))
+        step = max(step, done + allreduce_seconds(float(tables.gradient[stage]), width, bandwidths[stage], latency))
     return LayoutSimulation(
         float(step),
         tuple(float(tables.static[s] + max(peak[s])) for s in range(num_stages)),
@@ -229,7 +271,7 @@ def estimate_layout_seconds(
     tables: StageTables,
     widths: Sequence[int],
     *,
-    bandwidth: float,
+    bandwidth: float | Sequence[float],
     latency: float,
 ) -> float:
     """FlexPipe's Eq. 1 for a heterogeneous layout (see the module docstring).
@@ -237,7 +279,8 @@ def estimate_layout_seconds(
     Args:
         tables: :func:`stage_tables` of the layout's boundaries.
         widths: replicas per stage.
-        bandwidth: bytes per second of the all-reduce links.
+        bandwidth: bytes per second of the all-reduce links, one value or one per stage
+            (:meth:`NodeTopology.stage_bandwidths`).
         latency: seconds per all-reduce message.
     """
     work = tables.forward + tables.backward + tables.transfer  # [stage, microbatch]
@@ -247,8 +290,10 @@ def estimate_layout_seconds(
     for stage, width in enumerate(widths):
         busiest = max(float(work[stage, replica::width].sum()) for replica in range(width))
         slowest = max(slowest, busiest + total - float(per_microbatch[stage]))
+    bandwidths = (bandwidth,) * len(widths) if isinstance(bandwidth, (int, float)) else tuple(bandwidth)
     allreduce = max(
-        allreduce_seconds(float(g), int(w), bandwidth, latency) for g, w in zip(tables.gradient, widths, strict=True)
+        allreduce_seconds(float(g), int(w), b, latency)
+        for g, w, b in zip(tables.gradient, widths, bandwidths, strict=True)
     )
     return slowest + allreduce
 

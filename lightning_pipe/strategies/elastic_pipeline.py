@@ -1318,8 +1318,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Load each optimizer's state, keeping only the entries of parameters this rank owns (into the
-        host optimizers with ``optimizer_offload=True``)."""
+        host optimizers with ``optimizer_offload=True``); with elastic depth, then move to the
+        checkpoint's layout."""
         checkpointing.load_owned_optimizer_states(self, checkpoint["optimizer_states"])
+        saved = self.regrouping and self.regrouping.saved_plan(checkpoint.get("pipeline"), self.plan, self.world_size)
+        if saved:  # elastic depth resumes on the layout in effect at save time
+            self.apply_plan(saved)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

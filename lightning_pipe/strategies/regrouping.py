@@ -19,7 +19,10 @@ steps, also inside an accumulation window. :class:`Regrouping` is what the strat
    here, too many for hundreds (then only the planner's candidate layouts' sets should be made).
 5. **Moves.** ``runtime.migration.migrate`` moves parameters and optimizer state; around it the open
    window's partial gradients are summed on one keeper and only one new holder keeps the sum.
-6. **Refusals**, before training: see :meth:`Regrouping.check_configuration` and
+6. **Resume.** Checkpoints record the plan (boundaries and widths); a resumed run moves to that
+   layout once the optimizer state is loaded (:meth:`Regrouping.saved_plan`), so it continues on
+   the layout in effect at save time.
+7. **Refusals**, before training: see :meth:`Regrouping.check_configuration` and
    :meth:`Regrouping.check_plan`.
 
 A last stage of width ``w`` gathers its replicas' losses and logs on its first rank, which reports
@@ -151,6 +154,40 @@ class Regrouping:
             raise ValueError(f"Plan widths {list(plan.widths)} must sum to the {world_size} processes.")
         if plan.memory is not None and not plan.memory.is_empty:
             raise ValueError(f"`{_NAME}` does not apply memory plans yet; the plan with widths {list(plan.widths)} has one.")
+
+    @staticmethod
+    def saved_plan(record: dict[str, Any] | None, current: PipelinePlan, world_size: int) -> PipelinePlan | None:
+        """The layout a checkpoint was saved under, for a resumed run to continue on it.
+
+        Args:
+            record: the checkpoint's ``"pipeline"`` entry (``plan`` with ``boundaries`` and ``widths``).
+            current: the plan the resumed run starts with; its schedule and microbatching are kept.
+            world_size: processes of the resumed run.
+
+        Returns:
+            ``current`` with the saved boundaries and widths, or None when there is nothing to
+            restore (no record, no widths, the same layout) or the record does not fit this run
+            (other process count or block count: logged, the run keeps its own layout, which is
+            exact too).
+        """
+        saved = (record or {}).get("plan") or {}
+        widths, boundaries = saved.get("widths"), saved.get("boundaries")
+        if not widths or not boundaries:
+            return None
+        widths, boundaries = tuple(int(w) for w in widths), tuple(int(b) for b in boundaries)
+        if sum(widths) != world_size or boundaries[-1] != current.boundaries[-1] or len(boundaries) != len(widths) + 1:
+            log.warning(
+                "The checkpoint's layout (widths %s over blocks %s) does not fit this run (%d processes, %d blocks); "
+                "training resumes on the strategy's own layout.",
+                list(widths), list(boundaries), world_size, current.boundaries[-1],
+            )
+            return None
+        if widths == current.widths and boundaries == tuple(current.boundaries):
+            return None
+        return PipelinePlan(
+            boundaries, current.schedule, current.num_microbatches, microbatch_sizes=current.microbatch_sizes,
+            widths=widths,
+        )
 
     def program(self, widths: tuple[int, ...], num_microbatches: int) -> LayoutProgram:
         """The heterogeneous 1F1B program of ``widths`` (built once per pair)."""

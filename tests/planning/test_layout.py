@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from lightning_pipe.planning import MicrobatchShape, gpt_1_3b, random_partition
+from lightning_pipe.planning.depth_estimators import CostModelDepthEstimator
 from lightning_pipe.planning.layout import Layout, estimate_layout_migration, even_widths, uniform_layout
 from lightning_pipe.planning.layout_simulation import (
+    NodeTopology,
     allreduce_seconds,
     estimate_layout_memory,
     simulate_layout,
@@ -62,6 +64,31 @@ def test_simulation_of_a_single_stage_and_of_pure_data_parallel(rng: np.random.G
     reduce = allreduce_seconds(float(tables.gradient[0]), 3, model.bandwidth, model.latency)
     assert three.step_seconds == pytest.approx(max(per_replica) + reduce)
     assert [sum(b) for b in three.busy_seconds] == pytest.approx([sum(per_replica)])
+
+
+def test_topology_gives_each_stage_its_servers_bandwidth(rng: np.random.Generator) -> None:
+    """A stage inside one server all-reduces over NVLink, one across servers over InfiniBand; the
+    simulation and the planner's estimate both use it."""
+    topology = NodeTopology(devices_per_node=4, intra_bandwidth=300e9, inter_bandwidth=50e9)
+    assert topology.stage_bandwidths((4, 4)) == (300e9, 300e9)
+    assert topology.stage_bandwidths((2, 4, 2)) == (300e9, 50e9, 300e9)
+    assert topology.stage_bandwidths((8,)) == (50e9,)
+    with pytest.raises(ValueError, match="devices_per_node >= 1"):
+        NodeTopology(devices_per_node=0)
+    model = random_cost_model(rng, 6)
+    microbatches = random_microbatches(rng, 6)
+    tables = stage_tables(model, microbatches, (0, 6))
+    work = max((tables.forward[0, r::4] + tables.backward[0, r::4]).sum() for r in range(4))
+    for width, bandwidth in ((4, 300e9), (8, 50e9)):
+        small = NodeTopology(4, bandwidth, bandwidth)
+        simulated = simulate_layout(model, microbatches, Layout((0, 6), (width,)), topology=topology)
+        expected = simulate_layout(model, microbatches, Layout((0, 6), (width,)), allreduce_bandwidth=bandwidth)
+        assert simulated.step_seconds == pytest.approx(expected.step_seconds)
+        estimator = CostModelDepthEstimator(model, microbatches, width, float("inf"), topology=topology)
+        same = CostModelDepthEstimator(model, microbatches, width, float("inf"), topology=small)
+        assert estimator.step_seconds(Layout((0, 6), (width,))) == pytest.approx(same.step_seconds(Layout((0, 6), (width,))))
+    inside = simulate_layout(model, microbatches, Layout((0, 6), (4,)), topology=topology).step_seconds
+    assert inside == pytest.approx(work + allreduce_seconds(float(tables.gradient[0]), 4, 300e9, model.latency))
 
 
 @pytest.mark.parametrize("num_stages", [2, 3, 4])

@@ -58,3 +58,26 @@ def test_runs_to_completion_finds_a_stall():
     assert not runs_to_completion((1, 1), stalls)
     with pytest.raises(ValueError, match="widths"):
         layout_1f1b((2, 0), 4)
+
+
+def test_the_simulator_runs_layout_programs():
+    """``simulate`` runs a layout's program device by device (messages find their replica by stage and
+    microbatch): the monitor's simulated bubble is available under elastic depth."""
+    from lightning_pipe.schedules import ActionCosts, simulate
+
+    count = 8
+    costs = lambda stages: ActionCosts.uniform(stages, count, forward=1.0, backward=2.0, latency=0.1)
+    deep = simulate(layout_1f1b((1, 1, 1, 1), count), costs(4))
+    assert deep.makespan == pytest.approx(simulate(one_f_one_b(4, count), costs(4)).makespan)
+    flat = simulate(layout_1f1b((4,), count), costs(1))
+    assert flat.makespan == pytest.approx(2 * 3.0) and flat.bubble_ratio == pytest.approx(0.0)
+    for widths in _compositions(4):
+        result = simulate(layout_1f1b(widths, count), costs(len(widths)))
+        program = layout_1f1b(widths, count)
+        for rank in range(4):  # every device computes exactly its replica's share of its stage
+            (stage,) = program.stages_of(rank)
+            share = sum(1 for mb in range(count) if program.rank_for(stage, mb) == rank)
+            assert result.busy[rank] == pytest.approx(3.0 * share)
+        assert result.makespan >= max(result.busy) and 0.0 <= result.bubble_ratio < 1.0
+        # no faster than the busiest replica's work, no slower than running it all on one device
+        assert result.makespan <= 3.0 * count * len(widths) + 0.1 * 2 * count * len(widths)

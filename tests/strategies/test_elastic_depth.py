@@ -75,8 +75,11 @@ def test_random_layouts_parity(tmp_path, optimizer):
         owners = [s for s, width in enumerate(w) for _ in range(width)]
         assert [rows[rank][step]["stages"] for rank in range(4)] == [[s] for s in owners]
     if optimizer == "adamw":  # the monitor logged every step's widths and drew the layouts over time
-        logged_widths = [json.loads(line)["widths"] for line in (tmp_path / "pipe" / "pipeline_steps.jsonl").open()]
-        assert [tuple(w) for w in logged_widths] == widths
+        summaries = [json.loads(line) for line in (tmp_path / "pipe" / "pipeline_steps.jsonl").open()]
+        assert [tuple(row["widths"]) for row in summaries] == widths
+        # the simulator runs layout programs: a simulated bubble for every layout, > 0 with several stages
+        assert all(0.0 <= row["simulated_bubble_ratio"] < 1.0 for row in summaries)
+        assert all(row["simulated_bubble_ratio"] > 0.0 for row in summaries if len(row["widths"]) > 1)
         assert (tmp_path / "pipe" / "pipeline_layouts.png").stat().st_size > 0
 
 
@@ -160,10 +163,12 @@ def test_elastic_depth_follows_lengths_exactly(tmp_path):
 @pytest.mark.timeout(300)
 def test_sharded_checkpoint_of_replicas_resumes_exactly(tmp_path):
     """A checkpoint written by two replicas of one stage (layout (2,), both holding every tensor)
-    loads into the next run's starting layout (2 stages) and resumes exactly, still regrouping."""
+    loads into the next run's starting layout (2 stages), which then moves to the saved layout, and
+    resumes exactly, still regrouping."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.helpers.loop import run
+    from tests.strategies.test_elastic_depth_io import RecordStart
 
     batches = token_batches(1, batch_size=4, lengths=[9])  # one step per epoch: checkpoints at epoch ends
     make = lambda: TinyGPT(layers=4).double()
@@ -177,9 +182,48 @@ def test_sharded_checkpoint_of_replicas_resumes_exactly(tmp_path):
     assert path.is_dir()
     meta = torch.load(path / "meta.pt", weights_only=False)
     assert meta["pipeline"]["plan"]["widths"] == [2]
+    records = tmp_path / "resumed"
+    records.mkdir()
     resumed, _, _ = run(
         make, batches, elastic(), devices=2, max_steps=3, ckpt_path=str(path),
-        callbacks=[RandomLayouts([(1, 1), (2,)])],
+        callbacks=[RandomLayouts([(1, 1), (2,)]), RecordStart(records)],
     )
     reference, _, _ = run(make, batches, max_steps=3)
     assert_same_parameters(resumed, reference, atol=1e-10)
+    starts = [json.loads(text.splitlines()[0]) for text in rank_files(records).values()]
+    assert [row["widths"] for row in starts] == [[2], [2]]  # resumed on the saved layout, then regrouped
+
+
+@pytest.mark.parametrize("other", ["ElasticRepartition", "MemoryPlanner", "AutoPlanner"])
+def test_elastic_depth_refuses_other_planners_before_training(other):
+    """Planners of the partition or of memory plans next to `ElasticDepth` are refused in `setup`."""
+    from types import SimpleNamespace
+
+    from lightning_pipe import callbacks
+    from lightning_pipe.strategies.regrouping import Regrouping
+
+    depth = callbacks.ElasticDepth()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(regrouping=Regrouping()), callbacks=[depth, getattr(callbacks, other)()])
+    with pytest.raises(ValueError, match=f"the Trainer also has {other}.*Remove them from `callbacks`"):
+        depth.setup(trainer, None, "fit")
+    trainer.callbacks = [depth]
+    depth.setup(trainer, None, "fit")  # alone it is fine
+
+
+def test_saved_plan_restores_only_a_layout_that_fits(caplog):
+    """A resume moves to the checkpoint's layout when it has widths and fits the run; otherwise it
+    keeps its own layout (and says so when the record does not fit)."""
+    from lightning_pipe.planning.plan import PipelinePlan
+    from lightning_pipe.strategies.regrouping import Regrouping
+
+    current = PipelinePlan((0, 1, 2, 3, 4), num_microbatches=4)
+    record = {"plan": {"boundaries": [0, 3, 4], "widths": [1, 3]}}
+    plan = Regrouping.saved_plan(record, current, 4)
+    assert plan.widths == (1, 3) and plan.boundaries == (0, 3, 4) and plan.num_microbatches == 4
+    assert Regrouping.saved_plan(None, current, 4) is None
+    assert Regrouping.saved_plan({"plan": {"boundaries": [0, 2, 4], "widths": None}}, current, 4) is None
+    assert Regrouping.saved_plan(record, plan, 4) is None  # already there
+    with caplog.at_level("WARNING"):
+        assert Regrouping.saved_plan(record, current, 2) is None  # saved by 4 processes, resumed on 2
+        assert Regrouping.saved_plan({"plan": {"boundaries": [0, 3, 6], "widths": [2, 2]}}, current, 4) is None
+    assert caplog.text.count("does not fit this run") == 2
