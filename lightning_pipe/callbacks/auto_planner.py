@@ -197,7 +197,8 @@ class AutoPlanner(L.Callback):
                 strategy.memory.measure_profile(batch, (batch_idx,))
             profile = strategy.memory.profile
         running = strategy.plan
-        key = (tuple(lengths), running.boundaries, running.schedule, running.num_microbatches)
+        layout = self._layout(strategy, batch)  # how microbatches of this batch run (priced so)
+        key = (tuple(lengths), running.boundaries, running.schedule, running.num_microbatches, layout)
         planner = strategy.global_rank == 0  # plans alone: searches stopped by time limits may differ between ranks
         looked_ahead = self._job is not None and self._job.key == key
         waited = time.perf_counter()
@@ -205,7 +206,7 @@ class AutoPlanner(L.Callback):
             self._job.join()  # stale: the running plan or the batch differs from what was planned for
         result = None
         if planner:
-            result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile)
+            result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile, layout)
         self._job = None
         waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's)
         if strategy.world_size > 1:
@@ -223,11 +224,14 @@ class AutoPlanner(L.Callback):
         if planner and self.lookahead and all(e[1] is not None for e in everyone):
             upcoming_lengths = self._heaviest([e[1] for e in everyone])
             next_running = PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, plan.memory)
+            next_layout = self._layout(strategy, upcoming)
             next_key = (
-                tuple(upcoming_lengths), next_running.boundaries, next_running.schedule, next_running.num_microbatches
+                tuple(upcoming_lengths), next_running.boundaries, next_running.schedule, next_running.num_microbatches,
+                next_layout,
             )
             self._job = LookaheadJob(
-                next_key, lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile), "AutoPlanner-plan"
+                next_key, lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile, next_layout),
+                "AutoPlanner-plan",
             )
         self._pending = {
             "batch_idx": batch_idx, "result": result, "looked_ahead": looked_ahead, "running": running,
@@ -279,12 +283,12 @@ class AutoPlanner(L.Callback):
 
     # --- planning ------------------------------------------------------------------------------------
 
-    def _config(self, strategy: Any) -> JointConfig:
+    def _config(self, strategy: Any, layout: tuple[bool, bool]) -> JointConfig:
         return JointConfig(
             families=self.families, microbatch_counts=self.microbatch_counts or (strategy.num_microbatches,),
             microbatching=self.microbatching, memory_options=self.memory_options, memory_method=self.memory_method,
             relative_gap=self.relative_gap, partition_time_limit=self.partition_time_limit,
-            time_limit=self._time_limit(),
+            time_limit=self._time_limit(), padded=layout[0], grouped=layout[1],
         )
 
     def _time_limit(self) -> float | None:
@@ -293,7 +297,8 @@ class AutoPlanner(L.Callback):
         return self.time_limit
 
     def _plan(
-        self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any
+        self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any,
+        layout: tuple[bool, bool],
     ) -> JointPlan:
         model = self._model
         assert model is not None
@@ -308,7 +313,7 @@ class AutoPlanner(L.Callback):
         if profile is not None and profile.num_blocks != model.num_blocks:
             profile = None
         return plan_joint(
-            model, lengths, ranks, budget, profile=profile, config=self._config(strategy), current=running,
+            model, lengths, ranks, budget, profile=profile, config=self._config(strategy, layout), current=running,
             partitions=defaults, migration=migration, cache=self.cache,
         )
 
@@ -335,6 +340,14 @@ class AutoPlanner(L.Callback):
         if padding is not None:
             return [max(1, n) for n in padding.content_lengths()]
         return [n for mb in strategy.costs.microbatch_lengths(batch) for n in mb]
+
+    def _layout(self, strategy: Any, batch: Any) -> tuple[bool, bool]:
+        """(padded, grouped): whether each microbatch of ``batch`` runs at its longest sample's length
+        (its padding cut per microbatch), and whether a plan without sizes groups it by length."""
+        if self.lengths_fn is not None:
+            return False, False
+        padded = getattr(strategy.split_batch(batch).plan, "padding", None) is not None
+        return padded, padded and strategy.groups_by_length(batch)
 
     @staticmethod
     def _heaviest(per_replica: list[list[int]]) -> list[int]:

@@ -66,6 +66,7 @@ from lightning_pipe.planning.memory_planner import MemoryBudgetError, plan_memor
 from lightning_pipe.planning.microbatching import (
     balance_microbatch_sizes,
     even_microbatch_sizes,
+    padded_microbatch_sizes,
     microbatch_shapes,
     sample_costs,
 )
@@ -96,8 +97,9 @@ class JointConfig:
     Attributes:
         families: schedule families (names or specs) to consider.
         microbatch_counts: microbatch counts to consider; None: ``(ranks, 2 * ranks, 4 * ranks)``.
-        microbatching: ``"even"`` (equal sample counts) and/or ``"balanced"`` (sizes balancing the
-            samples' cost, ``planning.microbatching``).
+        microbatching: ``"even"`` (the split a plan without sizes gets: equal sample counts, or
+            length-grouped with ``grouped``) and/or ``"balanced"`` (sizes balancing the samples'
+            cost in batch order, ``planning.microbatching``).
         memory_options: what memory plans may use (``"full"``, ``"keep_attention"``, ``"offload"``).
         memory_method: ``"greedy"`` (fast) or ``"milp"`` (exact per partition, slower).
         host_bandwidth: device-host bytes per second (offload stalls).
@@ -110,6 +112,12 @@ class JointConfig:
             microbatching) groups not yet searched are left out with the bound known without a
             search, and searches in flight stop at what is left. For planning that must end within
             a step (lookahead).
+        padded: every microbatch runs at its longest sample's length (a padded batch cut per
+            microbatch, the strategy's ``trim_padding``): priced as that many samples of that length,
+            not at each sample's own length.
+        grouped: a plan without sizes runs the batch's samples longest first, in microbatches sized
+            by :func:`~lightning_pipe.planning.microbatching.padded_microbatch_sizes` (what the
+            strategy does to a padded batch with ``trim_padding`` and ``group_by_length``); price it so.
     """
 
     families: tuple = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b")
@@ -122,6 +130,8 @@ class JointConfig:
     memory_time_limit: float = 5.0
     partition_time_limit: float | None = 5.0
     time_limit: float | None = None
+    padded: bool = False
+    grouped: bool = False
 
     def counts(self, num_ranks: int) -> tuple[int, ...]:
         """The microbatch counts for ``num_ranks`` pipeline ranks."""
@@ -257,8 +267,10 @@ def evaluate_plan(
     if plan.chunks is not None:  # packed and sliced chunks: priced by their pieces, run as sliced 1F1B if sliced
         shapes, program = plan.chunks.shapes, chunk_program(plan, num_ranks)
     else:
-        sizes = plan.microbatch_sizes or even_microbatch_sizes(len(lengths), plan.num_microbatches)
-        shapes = microbatch_shapes(lengths, sizes)
+        if plan.microbatch_sizes is not None:
+            shapes = _priced_shapes(lengths, plan.microbatch_sizes, config.padded)
+        else:
+            shapes = _unsized_shapes(lengths, plan.num_microbatches, num_ranks, config)
         program = plan.schedule.build(num_ranks, len(shapes))
     limit = math.inf if budget is None else budget
     if not plan_memory_too:
@@ -278,6 +290,27 @@ def evaluate_plan(
     return result.step_seconds, PipelinePlan(
         plan.boundaries, plan.schedule, len(shapes), memory, plan.microbatch_sizes, plan.chunks
     )
+
+
+def _unsized_shapes(lengths: Sequence[int], count: int, num_ranks: int, config: JointConfig) -> list[MicrobatchShape]:
+    """The microbatch shapes of a plan without sizes: even counts in batch order, or with ``grouped``
+    the samples longest first in padded-sized microbatches (the strategy's split of a padded batch)."""
+    if not config.grouped:
+        return _priced_shapes(lengths, even_microbatch_sizes(len(lengths), count), config.padded)
+    ordered = sorted((int(n) for n in lengths), reverse=True)
+    return _priced_shapes(ordered, padded_microbatch_sizes(ordered, count, num_ranks), config.padded)
+
+
+def _priced_shapes(lengths: Sequence[int], sizes: Sequence[int], padded: bool) -> list[MicrobatchShape]:
+    """Consecutive microbatches of ``sizes`` samples: at each sample's length, or with ``padded`` at
+    each microbatch's longest."""
+    if not padded:
+        return microbatch_shapes(lengths, sizes)
+    shapes, start = [], 0
+    for n in sizes:
+        shapes.append(MicrobatchShape.from_lengths([max(int(v) for v in lengths[start : start + n])] * n))
+        start += n
+    return shapes
 
 
 class JointCache:
@@ -378,17 +411,18 @@ def plan_joint(
         if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
             continue
         for count in config.counts(num_ranks):
-            splits: dict[tuple[int, ...], str] = {}
+            splits: dict[tuple[MicrobatchShape, ...], tuple[tuple[int, ...], str]] = {}
             for mode in config.microbatching:
                 if mode == EVEN:
-                    sizes = even_microbatch_sizes(len(lengths), count)
+                    shapes = tuple(_unsized_shapes(lengths, count, num_ranks, config))
+                    sizes = tuple(shape.num_sequences for shape in shapes)
                 else:
                     sizes = balance_microbatch_sizes(per_sample, count)
-                splits.setdefault(sizes, mode)  # balanced == even: price once
-            for sizes, mode in splits.items():
+                    shapes = tuple(_priced_shapes(lengths, sizes, config.padded))
+                splits.setdefault(shapes, (sizes, mode))  # balanced == even: price once
+            for shapes, (sizes, mode) in splits.items():
                 if not _runs(schedule, num_ranks, len(sizes)):
                     continue
-                shapes = tuple(microbatch_shapes(lengths, sizes))
                 groups.append(search.group(schedule, sizes, mode, shapes))
     # Branch and bound over the (family, microbatching) groups, the most promising first (the best
     # partition a quick local search finds): a group whose lower bound is above the best step plus

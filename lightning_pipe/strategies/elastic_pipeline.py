@@ -363,6 +363,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         """Microbatches per batch."""
         return self._num_microbatches or 2 * self.pipeline_parallel_size
 
+    def groups_by_length(self, batch: Any) -> bool:
+        """Whether a plan without microbatch sizes runs ``batch`` length-grouped (its padding cut, exactly,
+        and ``group_by_length``): what planners must price for such a plan."""
+        padding = getattr(self.split_batch(batch).plan, "padding", None)
+        return padding is not None and self._trim_padding and self._group_by_length
+
     @property
     def layout(self) -> RankLayout:
         """Where this process sits in the pipeline x data-parallel grid."""

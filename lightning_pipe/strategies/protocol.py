@@ -65,6 +65,9 @@ class PipelineStrategy(Protocol):
     def num_microbatches(self) -> int:
         """Microbatches per batch."""
 
+    def groups_by_length(self, batch: Any) -> bool:
+        """Whether a plan without microbatch sizes runs ``batch`` length-grouped."""
+
     @property
     def world_size(self) -> int:
         """Number of processes."""

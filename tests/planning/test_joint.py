@@ -99,3 +99,19 @@ def test_pruning_and_the_cache_keep_the_plan_and_the_bound_is_valid():
     hurried = plan_joint(model, LENGTHS, RANKS, budget, config=_config(time_limit=0.0))
     assert hurried.lower_bound_seconds <= joint.step_seconds + 1e-12  # a bound of the optimum, never above it
     assert hurried.step_seconds >= joint.lower_bound_seconds - 1e-12
+
+
+def test_padded_batches_are_priced_as_they_run():
+    """A padded batch's microbatches run at their longest sample; a plan without sizes runs length-grouped."""
+    model, mixed = _model(), [900, 40, 40, 40, 600, 40, 40, 40]  # two long sequences among short ones
+    boundaries = plan_partition(model, microbatch_shapes(mixed, (2, 2, 2, 2)), "1f1b", RANKS).boundaries
+    plan = PipelinePlan(boundaries, "1f1b", 4)
+
+    def price(**flags):
+        return evaluate_plan(model, mixed, plan, RANKS, None, config=JointConfig(**flags), plan_memory_too=False)[0]
+
+    own, padded, grouped = price(), price(padded=True), price(padded=True, grouped=True)
+    assert padded > 1.5 * own  # even pairs in batch order: (900, 40) runs as two 900s
+    assert grouped < 0.7 * padded  # longest first, padded-sized: 900 and 600 each alone, the short ones together
+    best = plan_joint(model, mixed, RANKS, None, config=_config(padded=True, grouped=True, microbatching=("even",)))
+    assert best.plan.microbatch_sizes is None and best.step_seconds <= grouped * (1 + 1e-9)
