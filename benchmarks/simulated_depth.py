@@ -67,6 +67,7 @@ from lightning_pipe.planning.hbsa import decide_depth
 from lightning_pipe.planning.layout import Layout, estimate_layout_migration, uniform_layout
 from lightning_pipe.planning.layout_simulation import NodeTopology, simulate_layout
 from lightning_pipe.planning.traces import split_microbatches
+from lightning_pipe.planning.trigger import ResidenceHorizon
 
 GIB = 2**30
 MODELS = {"1.3b": gpt_1_3b, "7b": gpt_7b}
@@ -171,14 +172,16 @@ def run_fixed(
     result = PolicyResult()
     flags = (recompute,) * start.num_stages
     current = start
+    residence = ResidenceHorizon(horizon)
     for batch in batches:
         started = time.perf_counter()
         estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit, topology=topology)
+        steps = residence.steps()
 
-        def price(layout: Layout, estimator=estimator, current=current) -> float:
+        def price(layout: Layout, estimator=estimator, current=current, steps=steps) -> float:
             if max(estimator.memory(layout, flags)) > limit:
                 return math.inf
-            return estimator.step_seconds(layout, flags) + estimator.migration_seconds(current, layout) / horizon
+            return estimator.step_seconds(layout, flags) + estimator.migration_seconds(current, layout) / steps
 
         best, value = current, price(current)
         improved = True
@@ -195,6 +198,7 @@ def run_fixed(
                     if cost < value * (1 - 1e-9):
                         best, value, improved = layout, cost, True
         result.planning_seconds.append(time.perf_counter() - started)
+        residence.record(best != current)
         seconds = 0.0
         if best != current:
             moved = estimate_layout_migration(model, current, best).seconds
@@ -221,13 +225,16 @@ def run_elastic(
     """FMOP with HBSA per batch."""
     result = PolicyResult()
     current = start
+    residence = ResidenceHorizon(horizon)
     for batch in batches:
         estimator = CostModelDepthEstimator(model, batch, start.num_devices, limit, topology=topology)
         started = time.perf_counter()
         decision = decide_depth(
-            estimator, current, search="hbsa_tight", deeper=1, migration_horizon=horizon, max_candidates=max_candidates
+            estimator, current, search="hbsa_tight", deeper=1, migration_horizon=residence.steps(),
+            max_candidates=max_candidates,
         )
         result.planning_seconds.append(time.perf_counter() - started)
+        residence.record(decision.layout != current)
         seconds = 0.0
         if decision.layout != current:
             moved = estimate_layout_migration(model, current, decision.layout).seconds

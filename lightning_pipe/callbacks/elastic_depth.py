@@ -40,6 +40,7 @@ from lightning_pipe.planning.hbsa import DepthDecision, decide_depth
 from lightning_pipe.planning.layout import Layout
 from lightning_pipe.planning.memory_model import parse_size
 from lightning_pipe.planning.proposals import PlanProposal
+from lightning_pipe.planning.trigger import ResidenceHorizon
 
 if TYPE_CHECKING:
     from lightning_pipe.strategies import PipelineStrategy
@@ -75,6 +76,7 @@ class _Key:
     current: Layout
     migration_overhead: float
     in_window: bool
+    horizon: float
 
 
 class ElasticDepth(L.Callback):
@@ -88,8 +90,10 @@ class ElasticDepth(L.Callback):
         device_memory: bytes per device (or ``"60GiB"``) a layout's fullest replica must fit; None:
             the strategy's ``memory_budget``, else unbounded.
         lengths_fn: ``lengths_fn(batch) -> one length per sample``; default: the strategy's split.
-        migration_horizon: steps a reconfiguration is paid over (FMOP charges its seconds divided
-            by this).
+        migration_horizon: at most this many steps a reconfiguration is paid over (FMOP charges its
+            seconds divided by the horizon); fewer when layouts have not lasted that long
+            (``planning.trigger.ResidenceHorizon``), so that alternating batches do not make it
+            switch every step at a loss.
         deeper: also search up to this many stages beyond Algorithm 1's ``N_stage``; None: every
             depth up to ``min(blocks, devices)`` (unbounded memory makes ``N_stage`` 1).
         lookahead: decide for the next batch in the background while the current one trains.
@@ -119,6 +123,7 @@ class ElasticDepth(L.Callback):
         self.priority = priority
         self.history: list[DepthStep] = []
         self._job: LookaheadJob | None = None
+        self._residence = ResidenceHorizon(migration_horizon)
         self._measured: list[float] = []
         self._strategy: PipelineStrategy | None = None
 
@@ -167,6 +172,7 @@ class ElasticDepth(L.Callback):
                 PlanProposal(type(self).__name__, boundaries=layout.boundaries, widths=layout.widths, priority=self.priority)
             )
         self.history.append(DepthStep(batch_idx, layout, decision.action, decision.predicted_seconds, seconds, looked_ahead))
+        self._residence.record(layout != current)
         found, upcoming = strategy.peek_next_batch() if self.lookahead else (False, None)
         if found:
             next_in_window = (batch_idx + 1) % trainer.accumulate_grad_batches != 0
@@ -192,7 +198,7 @@ class ElasticDepth(L.Callback):
         costs = strategy.costs
         shapes = tuple(costs.shapes(costs.microbatch_lengths(batch, self.lengths_fn)))
         overhead = sum(self._measured) / len(self._measured) if self._measured else 0.0
-        return _Key(costs.estimate.cost_model, shapes, current, overhead, in_window)
+        return _Key(costs.estimate.cost_model, shapes, current, overhead, in_window, self._residence.steps())
 
     def _decide(self, key: _Key) -> tuple[DepthDecision, float]:
         started = time.perf_counter()
@@ -206,7 +212,7 @@ class ElasticDepth(L.Callback):
         most = min(key.model.num_blocks, key.current.num_devices)
         decision = decide_depth(
             estimator, key.current, allow_memory_plan=False, deeper=most if self.deeper is None else self.deeper,
-            migration_horizon=self.migration_horizon,
+            migration_horizon=key.horizon,
         )
         return decision, time.perf_counter() - started
 

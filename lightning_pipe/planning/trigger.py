@@ -19,7 +19,7 @@ window the coming steps' mean is extrapolated instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TRIGGER_MODES = ("auto", "always", "interval", "never")
 
@@ -156,3 +156,41 @@ def decide_repartition(
     if gain > needed and gain > 0:
         return decision(True, f"gain {gain:.4g} s over {config.horizon_steps} steps > cost {needed:.4g} s", gain)
     return decision(False, f"gain {gain:.4g} s over {config.horizon_steps} steps <= cost {needed:.4g} s", gain)
+
+
+@dataclass
+class ResidenceHorizon:
+    """Steps a reconfiguration is paid over: at most ``limit``, and no more than layouts have lasted.
+
+    Charging a reconfiguration over ``limit`` steps assumes the new layout stays that long. When
+    batches alternate (a short one, then a long one), each switch lasts one step and the planner,
+    still dividing by ``limit``, pays a full reconfiguration every step for a gain of one: it
+    thrashes and ends slower than never switching. The horizon used is therefore the mean length of
+    the recent runs of one layout, the run in progress counted at its length so far (it grows back to
+    ``limit`` while a layout holds). Plain data: checkpointed by its owner.
+
+    Attributes:
+        limit: the longest horizon (the planner's setting).
+        recent: how many finished runs the mean looks at.
+        runs: lengths of the finished runs, oldest first.
+        current: steps of the run in progress.
+    """
+
+    limit: float
+    recent: int = 8
+    runs: list[int] = field(default_factory=list)
+    current: int = 0
+
+    def steps(self) -> float:
+        """The horizon for the next decision (``limit`` before any switch)."""
+        if not self.runs:
+            return float(self.limit)
+        lengths = [*self.runs[-self.recent :], self.current]
+        return float(min(self.limit, max(1.0, sum(lengths) / len(lengths))))
+
+    def record(self, switched: bool) -> None:
+        """One step ran; ``switched``: on a layout other than the step before's."""
+        if switched and self.current:
+            self.runs = [*self.runs[-(self.recent - 1) :], self.current]
+            self.current = 0
+        self.current += 1

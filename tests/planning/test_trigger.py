@@ -1,6 +1,7 @@
 import pytest
 
 from lightning_pipe.planning import StepPrediction, TriggerConfig, decide_repartition, predicted_gain
+from lightning_pipe.planning.trigger import ResidenceHorizon
 
 
 def test_auto_migrates_only_when_gain_pays_for_migration_with_margin():
@@ -84,3 +85,15 @@ def test_bad_settings_are_named():
         decide_repartition(TriggerConfig(), 0, 1.0, [])
     with pytest.raises(ValueError, match="`migration_seconds` must be >= 0"):
         decide_repartition(TriggerConfig(), 0, -1.0, [StepPrediction(1.0, 1.0)])
+
+
+def test_the_residence_horizon_follows_how_long_layouts_last():
+    horizon = ResidenceHorizon(16)
+    assert horizon.steps() == 16.0  # no switch seen yet: the planner's setting
+    for _ in range(6):  # a switch every step: each layout lasted one step
+        horizon.record(True)
+    assert horizon.steps() == 1.0  # a reconfiguration is now paid by the one step it buys
+    for _ in range(40):  # one layout holds: the horizon grows back, never beyond the setting
+        horizon.record(False)
+    assert 1.0 < horizon.steps() <= 16.0 and horizon.steps() > 5.0
+    assert ResidenceHorizon(4, runs=[30], current=30).steps() == 4.0
