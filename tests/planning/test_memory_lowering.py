@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_pipe.planning.bounds import rank_chain
 from lightning_pipe.planning.memory_lowering import has_memory_actions, lower_memory_plan, read_memory_plan
 from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory
 from lightning_pipe.schedules import ActionCosts, Schedule, simulate, validate
@@ -78,14 +79,17 @@ def test_lowering_refuses_what_it_cannot_write():
         check_executable(lowered)  # a schedule may not carry them into the strategy
 
 
-def test_simulator_prices_the_written_plan():
+def test_simulator_and_bounds_price_the_written_plan():
     p, m = 2, 4
     program = Schedule("1f1b").build(p, m)
     costs = ActionCosts.uniform(p, m, forward=1.0, backward=2.0, saved_bytes=10.0)
     plain = simulate(program, costs)
-    recomputed = simulate(lower_memory_plan(program, MemoryPlan(stages={0: StageMemory(full=None)}), _boundaries(p)), costs)
+    lowered = lower_memory_plan(program, MemoryPlan(stages={0: StageMemory(full=None)}), _boundaries(p))
+    recomputed = simulate(lowered, costs)
     assert recomputed.busy[0] == pytest.approx(plain.busy[0] + m)  # one forward more per microbatch of stage 0
     assert recomputed.busy[1] == pytest.approx(plain.busy[1])
+    # planning's bounds read the same table: rank 0's chain runs each of its forwards twice
+    assert (rank_chain(lowered, 0).forward[0] - rank_chain(program, 0).forward[0]).tolist() == [1.0] * m
     offloaded = simulate(lower_memory_plan(program, MemoryPlan(default=StageMemory(offload=None)), _boundaries(p)), costs)
     assert max(offloaded.peak_memory) < max(plain.peak_memory)
 
