@@ -357,10 +357,11 @@ def _resolve_rules(rules: tuple[Rule | str, ...]) -> tuple[Rule, ...]:
 def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, *, check: bool = True) -> Program:
     """Generate the program of ``spec`` for ``num_ranks`` ranks and ``num_microbatches``, validated.
 
-    ``check=False`` skips the final :func:`validate` (the auto-scheduler's inner loop only). Programs
-    are immutable, so those of specs without rules or instructions (whose registered names could be
-    re-bound) are kept in a cache of the last 1024 builds: the families defined by presets are built
-    through here, and the planners ask for the same (spec, ranks, microbatches) many times.
+    ``check=False`` skips the final :func:`validate` (the auto-scheduler's inner loop only, which
+    builds each spec once). Validated programs are immutable, so those of specs without rules or
+    instructions (whose registered names could be re-bound) are kept in a cache of the last 512
+    builds: the families defined by presets are built through here, and the planners ask for the
+    same (spec, ranks, microbatches) many times.
 
     Raises:
         ValueError: for sizes or per-rank lists that do not fit.
@@ -369,14 +370,14 @@ def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, *, che
     for argument, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"dsl: {argument} must be a positive integer, got {argument}={value!r}")
-    if spec.rules or spec.instructions:
+    if spec.rules or spec.instructions or not check:
         return _build(spec, num_ranks, num_microbatches, check)
-    return _build_cached(spec, num_ranks, num_microbatches, check)
+    return _build_cached(spec, num_ranks, num_microbatches)
 
 
-@functools.lru_cache(maxsize=1024)
-def _build_cached(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, check: bool) -> Program:
-    return _build(spec, num_ranks, num_microbatches, check)
+@functools.lru_cache(maxsize=512)
+def _build_cached(spec: ScheduleSpec, num_ranks: int, num_microbatches: int) -> Program:
+    return _build(spec, num_ranks, num_microbatches, True)
 
 
 def _build(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, check: bool) -> Program:
@@ -502,12 +503,11 @@ def build_preset(preset: str, num_ranks: int, num_microbatches: int, **overrides
     ``gpipe``, ``1f1b``, ``interleaved_1f1b`` and ``looped_bfs`` are defined once, as presets; their
     registered families (``families/``) call this. Built programs are cached (see :func:`build_spec`).
     """
-    return _build_preset(preset, num_ranks, num_microbatches, tuple(sorted(overrides.items())))
+    return _build_preset(PRESETS[preset], num_ranks, num_microbatches, tuple(sorted(overrides.items())))
 
 
-@functools.lru_cache(maxsize=1024)
-def _build_preset(preset: str, num_ranks: int, num_microbatches: int, overrides: tuple) -> Program:
-    spec = PRESETS[preset]
+@functools.lru_cache(maxsize=512)
+def _build_preset(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, overrides: tuple) -> Program:
     if overrides:
         spec = dataclasses.replace(spec, **dict(overrides))
     return build_spec(spec, num_ranks, num_microbatches)
