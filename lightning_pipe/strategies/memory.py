@@ -216,7 +216,7 @@ class StrategyMemory:
         Called after :meth:`before_step` (``recompute='auto'`` decides the plan there). The executor runs
         the actions as markers and the block wrapper of :meth:`before_step`, armed from the same plan,
         performs them, so the memory plan of a step can be read off the program it ran
-        (``read_memory_plan(strategy.last_outcome ...)``, the monitor's timelines). The last lowering is
+        (``read_memory_plan(strategy.memory.program_with_plan(strategy.program))``). The last lowering is
         kept. Elastic-depth layout programs (which refuse memory plans) are returned as they are.
         """
         if self.plan.is_empty or type(program) is not Program or program.pair_ranks is not None:
