@@ -57,6 +57,7 @@ from lightning_pipe.planning.memory_model import (
     StageMemory,
     predict_memory,
 )
+from lightning_pipe.planning.memory_lowering import lower_memory_plan, read_memory_plan
 from lightning_pipe.planning.memory_planner import MemoryBudgetError, MemoryPlanResult, plan_memory
 from lightning_pipe.planning.microbatching import balance_microbatch_sizes, even_microbatch_sizes, sample_costs
 from lightning_pipe.planning.migration import MigrationCalibration, MigrationEstimate, estimate_migration
@@ -99,6 +100,8 @@ __all__ = [
     "LinearCost",
     "LinearFit",
     "MemoryBudgetError",
+    "lower_memory_plan",
+    "read_memory_plan",
     "MemoryPlan",
     "MemoryPlanCost",
     "MemoryPlanResult",

@@ -16,6 +16,11 @@ activations as soon as this one's arrived.
 Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes only the input
 gradients and records the gradients at the nodes where each parameter's subgraph meets the input
 path; ``W`` starts there and computes only the weight gradients. Together they cost one backward.
+
+Memory actions (``RECOMPUTE``, ``OFFLOAD``, ``RELOAD``, written by the strategy from its memory plan)
+are markers: the pair's blocks recompute and offload through the block wrapper armed for that
+(stage, microbatch) from the same plan, when autograd needs them; a marker without a block wrapper
+is refused (nothing would perform it).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.failures import PeerFailure
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
 from lightning_pipe.runtime.split_backward import WeightPass, backward_input
+from lightning_pipe.schedules.action_rules import ACTION_RULES
 from lightning_pipe.schedules.ir import Action, ActionType, Program
 
 
@@ -210,6 +216,12 @@ class PipelineExecutor:
             self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1, mb), GRADIENT, stage, mb)
         elif kind in (ActionType.RECV_F, ActionType.RECV_B):
             return  # nothing to do here: the tensor is received where it is consumed (module docstring)
+        elif ACTION_RULES[kind].from_memory_plan:
+            if self._work.block_wrapper is None:
+                raise RuntimeError(
+                    f"Rank {self.pipeline_rank}: {action} ({kind.name}) but the step has no block wrapper to perform "
+                    "it; memory actions are written from the strategy's memory plan (planning.memory_lowering)."
+                )
         else:
             raise RuntimeError(
                 f"Rank {self.pipeline_rank} has no runtime for action {action} ({kind.name}); "

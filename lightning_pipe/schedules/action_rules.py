@@ -16,11 +16,14 @@ the action that ``frees`` them (``B``, or ``W`` with split backward), except bet
 ``RELOAD``. An action that ``uses_saved`` activations reads them (its transient counts on top).
 
 Execution. ``executed`` says whether the runtime (``runtime/executor.py``) runs the kind. The memory
-kinds (``RECOMPUTE``, ``OFFLOAD``, ``RELOAD``), ``STEP`` and registered instructions (``CUSTOM``) are
-declared for simulation and planning only: memory plans run through block wrappers and saved-tensor
-hooks chosen per (stage, microbatch) from the plan's ``MemoryPlan``, and per-stage host optimizers
-through gradient hooks, not as program actions. :func:`check_executable` refuses a program holding
-one before training starts.
+kinds (``RECOMPUTE``, ``OFFLOAD``, ``RELOAD``) are ``from_memory_plan``: the strategy writes them into
+the program it runs from the plan's ``MemoryPlan`` (``planning.memory_lowering``), and the executor
+runs them as markers, the work itself happening inside the pair's blocks through the wrappers and
+saved-tensor hooks armed for that (stage, microbatch) from the same plan. A schedule must not emit
+them for the strategy (a marker without its plan would promise a recompute nothing performs).
+Registered instructions (``CUSTOM``) and split placement's checkpoints (``SEND_C``/``RECV_C``) are
+not run by the executor. :func:`check_executable` refuses a schedule's program holding any of these
+before training starts.
 
 Order. ``requires`` lists what must have run on the rank before the action, as the validator checks
 it: the pair's own earlier actions (``stage_offset`` 0) and the neighbouring stage's (``-1`` before a
@@ -88,6 +91,8 @@ class ActionRule:
         reloads: brings offloaded activations back.
         requires: what must run before it on the rank.
         executed: whether the runtime runs it (False: simulation and planning only).
+        from_memory_plan: written into the program from a memory plan (``planning.memory_lowering``),
+            never by a schedule the strategy runs.
     """
 
     duration: str = "none"
@@ -101,6 +106,7 @@ class ActionRule:
     reloads: bool = False
     requires: tuple[Dependency, ...] = ()
     executed: bool = True
+    from_memory_plan: bool = False
 
 
 _OWN_FORWARD = Dependency((_F,), 0, "its own forward")
@@ -146,16 +152,17 @@ ACTION_RULES: Mapping[ActionType, ActionRule] = MappingProxyType(
             duration="forward",
             forward_share=1.0,
             saves=True,
-            executed=False,
+            from_memory_plan=True,
             requires=(Dependency((_F,), 0, "recompute after the forward whose activations it handles"),),
         ),
         ActionType.OFFLOAD: ActionRule(
-            offloads=True, executed=False, requires=(Dependency((_F,), 0, "offload after the forward whose activations it handles"),)
+            offloads=True,
+            from_memory_plan=True,
+            requires=(Dependency((_F,), 0, "offload after the forward whose activations it handles"),),
         ),
         ActionType.RELOAD: ActionRule(
-            reloads=True, executed=False, requires=(Dependency((ActionType.OFFLOAD,), 0, "reload after offload"),)
+            reloads=True, from_memory_plan=True, requires=(Dependency((ActionType.OFFLOAD,), 0, "reload after offload"),)
         ),
-        ActionType.STEP: ActionRule(executed=False),
         ActionType.CUSTOM: ActionRule(duration="instruction", executed=False),
     }
 )
@@ -167,7 +174,10 @@ def rule_of(kind: ActionType) -> ActionRule:
 
 
 def check_executable(program: Program) -> Program:
-    """Refuse a program the runtime cannot run: one holding an action kind that is simulation-only.
+    """Refuse a schedule's program the strategy cannot run: simulation-only kinds, memory actions, split placement.
+
+    Memory actions are accepted by the executor only as the strategy writes them from its memory plan
+    (after this check), so a schedule holding one is refused: nothing would perform its recompute.
 
     Returns:
         ``program`` unchanged.
@@ -177,7 +187,9 @@ def check_executable(program: Program) -> Program:
     """
     found = []
     for rank, actions in enumerate(program.actions):
-        action = next((a for a in actions if not ACTION_RULES[a.type].executed), None)
+        action = next(
+            (a for a in actions if not ACTION_RULES[a.type].executed or ACTION_RULES[a.type].from_memory_plan), None
+        )
         if action is not None:
             found.append(f"rank {rank}: {action} ({action.type.name})")
     if program.pair_ranks is not None and not found:
@@ -185,9 +197,9 @@ def check_executable(program: Program) -> Program:
     if found:
         raise ValueError(
             f"Program {program.name!r} holds actions the runtime does not run ({'; '.join(found)}). Memory actions "
-            "(RECOMPUTE, OFFLOAD, RELOAD) are for simulation: run recomputation and offload through a memory plan "
-            "(`recompute=`/`offload=` of the strategy, or the `MemoryPlanner` callback); STEP through "
-            "`optimizer_offload=True`; registered instructions (CUSTOM) have no runtime yet; split placement "
+            "(RECOMPUTE, OFFLOAD, RELOAD) are written by the strategy from its memory plan: ask for recomputation and "
+            "offload with a memory plan (`recompute=`/`offload=` of the strategy, or the `MemoryPlanner` callback); "
+            "registered instructions (CUSTOM) have no runtime yet; split placement "
             "(the 'helix' and 'spipe' programs, SEND_C/RECV_C checkpoints) runs only in "
             "runtime/split_executor.py, not in the strategy: use 1f1b, zb_h1 or interleaved_1f1b to train with it. "
             "Remove them from the schedule."

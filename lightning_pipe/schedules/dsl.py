@@ -36,12 +36,12 @@ Dict form (YAML): the same keys, e.g. ``{"placement": "circular", "stages_per_ra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-from .families.interleaved_1f1b import microbatch_groups
 from .dsl_engine import EngineSettings, Rule, RuleContext, engine_program
 from .instructions import get_instruction
 from .ir import Program
@@ -57,6 +57,8 @@ __all__ = [
     "build_spec",
     "register_rule",
     "auto_in_flight",
+    "microbatch_groups",
+    "build_preset",
 ]
 
 PRIORITIES = ("backward_first", "forward_first", "interleaved")
@@ -302,6 +304,35 @@ PRESETS: dict[str, ScheduleSpec] = {
 }
 
 
+def microbatch_groups(num_ranks: int, num_microbatches: int, group_size: int | None = None) -> list[int]:
+    """Sizes of the microbatch groups that go through one chunk before the next (circular placement).
+
+    Balanced groups are ``max(1, m // p)`` groups of nearly equal size, each at least ``p`` (larger
+    ones first): Megatron's groups of ``p`` when ``p`` divides ``m``, and deadlock free otherwise
+    (Megatron-Core's remainder group smaller than ``p`` deadlocks with its warm-up).
+
+    Args:
+        num_ranks: pipeline ranks ``p``.
+        num_microbatches: microbatches per step ``m``.
+        group_size: fixed group size (must divide ``m`` and be >= ``p``); None: balanced groups.
+
+    Returns:
+        Group sizes summing to ``m``.
+
+    Raises:
+        ValueError: if ``group_size`` is smaller than ``num_ranks`` or does not divide ``m``.
+    """
+    if group_size is None:
+        count = max(1, num_microbatches // num_ranks)
+        return [num_microbatches // count + (1 if i < num_microbatches % count else 0) for i in range(count)]
+    if group_size < num_ranks or num_microbatches % group_size:
+        raise ValueError(
+            f"interleaved_1f1b: microbatch_group_size={group_size} must be >= num_ranks={num_ranks} and divide "
+            f"num_microbatches={num_microbatches}; leave it None for balanced groups"
+        )
+    return [group_size] * (num_microbatches // group_size)
+
+
 def auto_in_flight(placement: str, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> tuple[int, ...]:
     """The ``"auto"`` in-flight limit per rank, in microbatches (see ``dsl_engine``).
 
@@ -326,7 +357,11 @@ def _resolve_rules(rules: tuple[Rule | str, ...]) -> tuple[Rule, ...]:
 def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, *, check: bool = True) -> Program:
     """Generate the program of ``spec`` for ``num_ranks`` ranks and ``num_microbatches``, validated.
 
-    ``check=False`` skips the final :func:`validate` (the auto-scheduler's inner loop only).
+    ``check=False`` skips the final :func:`validate` (the auto-scheduler's inner loop only, which
+    builds each spec once). Validated programs are immutable, so those of specs without rules or
+    instructions (whose registered names could be re-bound) are kept in a cache of the last 512
+    builds: the families defined by presets are built through here, and the planners ask for the
+    same (spec, ranks, microbatches) many times.
 
     Raises:
         ValueError: for sizes or per-rank lists that do not fit.
@@ -335,6 +370,17 @@ def build_spec(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, *, che
     for argument, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"dsl: {argument} must be a positive integer, got {argument}={value!r}")
+    if spec.rules or spec.instructions or not check:
+        return _build(spec, num_ranks, num_microbatches, check)
+    return _build_cached(spec, num_ranks, num_microbatches)
+
+
+@functools.lru_cache(maxsize=512)
+def _build_cached(spec: ScheduleSpec, num_ranks: int, num_microbatches: int) -> Program:
+    return _build(spec, num_ranks, num_microbatches, True)
+
+
+def _build(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, check: bool) -> Program:
     placement = place_stages(spec.placement, num_ranks, spec.stages_per_rank)
     limit = spec.max_in_flight
     if limit == "auto":
@@ -449,3 +495,19 @@ def _dsl_family(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1,
 
 
 register_schedule("dsl", _dsl_family)
+
+
+def build_preset(preset: str, num_ranks: int, num_microbatches: int, **overrides: Any) -> Program:
+    """The validated program of a preset (``PRESETS``), fields overridden; how families are built from presets.
+
+    ``gpipe``, ``1f1b``, ``interleaved_1f1b`` and ``looped_bfs`` are defined once, as presets; their
+    registered families (``families/``) call this. Built programs are cached (see :func:`build_spec`).
+    """
+    return _build_preset(PRESETS[preset], num_ranks, num_microbatches, tuple(sorted(overrides.items())))
+
+
+@functools.lru_cache(maxsize=512)
+def _build_preset(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, overrides: tuple) -> Program:
+    if overrides:
+        spec = dataclasses.replace(spec, **dict(overrides))
+    return build_spec(spec, num_ranks, num_microbatches)

@@ -39,15 +39,15 @@ class ActionType(str, enum.Enum):
     # Simulated and validated; the runtime does not run them (``executed`` is False).
     SEND_C = "SEND_C"
     RECV_C = "RECV_C"
-    # Simulation and planning only (``action_rules.ACTION_RULES[kind].executed`` is False; the strategy
-    # refuses a program holding one before training). Kept in the IR rather than dropped: the simulator,
-    # validator and planners price recompute and offload with them, while the runtime applies a memory
-    # plan through block wrappers and saved-tensor hooks per (stage, microbatch), which explicit actions
-    # would only duplicate; running them as actions would be the larger change for no new behaviour.
+    # Memory actions: a memory plan written into the program (``planning.memory_lowering``), so the plan
+    # can be read off the program and the simulator prices it from the action-rule table. The runtime's
+    # executor runs them as markers: the recompute / offload itself happens inside the pair's blocks,
+    # through the block wrappers and saved-tensor hooks armed for that (stage, microbatch) from the same
+    # plan (runtime/memory.py, runtime/offload.py). Schedules do not emit them for the strategy
+    # (``check_executable``); HelixPipe and SPipe emit RECOMPUTE for runtime/split_executor.py.
     RECOMPUTE = "RECOMPUTE"  # memory action: recompute the stage's saved activations
     OFFLOAD = "OFFLOAD"  # memory action: move saved activations to host memory
     RELOAD = "RELOAD"  # memory action: bring offloaded activations back
-    STEP = "STEP"  # per-stage optimizer step (microbatch is None)
     CUSTOM = "CUSTOM"  # user-registered instruction; ``Action.name`` says which (see instructions.py)
 
     @property
@@ -94,10 +94,12 @@ class Action:
     Attributes:
         stage: global stage index.
         type: what to do.
-        microbatch: microbatch index, or None for actions that concern the whole step (``STEP``).
-        name: only for ``ActionType.CUSTOM``: the registered instruction's name (its text token),
-            None for every built-in kind. Added after the first three fields so that existing
-            positional construction and equality of built-in actions are unchanged.
+        microbatch: microbatch index (None only while building a program; every action of a valid
+            program has one).
+        name: for ``ActionType.CUSTOM``: the registered instruction's name (its text token); for the
+            memory kinds: the pair's memory choice as written by ``planning.memory_lowering`` (not
+            part of the text form); None otherwise. Added after the first three fields so that
+            existing positional construction and equality of built-in actions are unchanged.
     """
 
     stage: int

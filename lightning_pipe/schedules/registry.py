@@ -174,7 +174,7 @@ class Schedule:
     def build(self, num_ranks: int, num_microbatches: int) -> Program:
         """Build the program of this schedule for ``num_ranks`` ranks and ``num_microbatches``.
 
-        Family programs are not validated here (DSL programs are); call
+        Generator families' programs are not validated here (DSL and preset families' are); call
         :func:`lightning_pipe.schedules.validate` before running one.
 
         Raises:

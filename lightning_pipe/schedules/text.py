@@ -1,7 +1,7 @@
 """Text forms of programs: torch.distributed.pipelining action tokens, CSV, per-rank tables.
 
 One action is one token ``f"{stage}{type}{microbatch}"`` exactly as torch's ``_Action`` prints it
-(``0F3``, ``1B2``, ``2I0``, ``2W0``, ``0SEND_F1``, ``1RECV_B0``; ``3STEP`` has no microbatch). A
+(``0F3``, ``1B2``, ``2I0``, ``2W0``, ``0SEND_F1``, ``1RECV_B0``). A
 program is a CSV with one row per rank and one action per cell (torch's ``_dump_csv``/``_load_csv``
 layout: no header), or a table with one ``rank r: ...`` line per rank for humans and golden tests.
 Registered instructions use their name as the type token (``3SYNC7``); torch does not know those.
@@ -38,7 +38,7 @@ def format_action(action: Action) -> str:
 
 
 def parse_action(token: str) -> Action:
-    """Parse one token such as ``0F3``, ``1SEND_F2`` or ``3STEP``.
+    """Parse one token such as ``0F3``, ``1SEND_F2`` or ``4RECOMPUTE7``.
 
     Args:
         token: the text; surrounding spaces are ignored.
@@ -60,11 +60,16 @@ def parse_action(token: str) -> Action:
     mb = int(microbatch) if microbatch else None
     if kind in _BUILTIN:
         action_type = ActionType(kind)
-        if mb is None and action_type is not ActionType.STEP:
+        if mb is None:
             raise ValueError(f"invalid action {token!r}: {kind} needs a microbatch index")
         return Action(stage, action_type, mb)
     if kind in _TORCH_ONLY:
         raise ValueError(f"action {token!r}: torch's {kind} has no lightning-pipe equivalent")
+    if kind == "STEP":
+        raise ValueError(
+            f"action {token!r}: STEP is not an action; per-stage optimizer steps run during backward with "
+            "`optimizer_offload=True` (runtime/optimizer_offload.py)"
+        )
     if is_registered_instruction(kind):
         return Action(stage, ActionType.CUSTOM, mb, name=kind)
     raise ValueError(

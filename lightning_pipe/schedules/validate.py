@@ -141,8 +141,6 @@ def _check_structure(program: Program) -> None:
                     rank,
                     step,
                 )
-            if a.type is ActionType.STEP:
-                continue
             if a.type is ActionType.CUSTOM:
                 if not a.name or not is_registered_instruction(a.name):
                     _fail(
@@ -368,7 +366,7 @@ def _check_split_structure(program: Program) -> None:
                 _fail(program, f"{a}: stage {a.stage} outside 0..{program.num_stages - 1}", "structure", rank, step)
             if a.microbatch is not None and not 0 <= a.microbatch < program.num_microbatches:
                 _fail(program, f"{a}: microbatch outside 0..{program.num_microbatches - 1}", "structure", rank, step)
-            if a.microbatch is None and a.type is not ActionType.STEP:
+            if a.microbatch is None:
                 _fail(program, f"{a}: needs a microbatch", "structure", rank, step)
             placed = program.rank_of_action(a)
             if placed != rank:

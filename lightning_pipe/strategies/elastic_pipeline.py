@@ -1020,6 +1020,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 self._check_sample_mixing(self.lightning_module, plan.num_microbatches, sizes)
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             block_wrapper = self.memory.before_step(batch, rest)
+            program = self.memory.program_with_plan(program)  # the memory plan as RECOMPUTE/OFFLOAD/RELOAD actions
             if isinstance(plan, PackingPlan):
                 block_wrapper = packed_block_wrapper(plan, block_wrapper, store)
             # 16-mixed with optimizer offload: each microbatch's loss carries the scaler's loss scale

@@ -35,6 +35,7 @@ from lightning_pipe.planning.memory_model import (
     fit_linear,
     parse_size,
 )
+from lightning_pipe.planning.memory_lowering import lower_memory_plan
 from lightning_pipe.planning.memory_planner import MemoryPlanResult, plan_memory
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.memory import DEFAULT_MLP_NAMES, MemoryRuntime
@@ -131,6 +132,7 @@ class StrategyMemory:
         self.step_loss_scale: float | None = None  # the loss scale of the running step (None: unscaled)
         self.last_overflow = False  # whether the last offloaded step was undone for a non-finite gradient
         self._loaded_optimizer_state: dict | None = None  # from a checkpoint, until the host optimizers exist
+        self._lowered: tuple[Program, MemoryPlan, tuple[int, ...], Program] | None = None  # see program_with_plan
 
     # --- wiring ----------------------------------------------------------------------------------
 
@@ -208,6 +210,25 @@ class StrategyMemory:
             return runtime.wrapper(stage, microbatch, span.first_block, modes, choice.mlp_chunk_size)
 
         return block_wrapper
+
+    def program_with_plan(self, program: Program) -> Program:
+        """``program`` with this step's memory plan written in as memory actions (``planning.memory_lowering``).
+
+        Called after :meth:`before_step` (``recompute='auto'`` decides the plan there). The executor runs
+        the actions as markers and the block wrapper of :meth:`before_step`, armed from the same plan,
+        performs them, so the memory plan of a step can be read off the program it ran
+        (``read_memory_plan(strategy.memory.program_with_plan(strategy.program))``). The last lowering is
+        kept. Elastic-depth layout programs (which refuse memory plans) are returned as they are.
+        """
+        if self.plan.is_empty or type(program) is not Program or program.pair_ranks is not None:
+            return program
+        boundaries = tuple(self.context.current().boundaries)
+        kept = self._lowered
+        if kept is not None and kept[0] is program and kept[1] is self.plan and kept[2] == boundaries:
+            return kept[3]
+        lowered = validate(lower_memory_plan(program, self.plan, boundaries))
+        self._lowered = (program, self.plan, boundaries, lowered)
+        return lowered
 
     @contextlib.contextmanager
     def accounting(self, train: bool):

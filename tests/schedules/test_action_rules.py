@@ -58,21 +58,23 @@ def test_validator_reads_the_order_column():
         validate(broken)
 
 
-def test_simulation_only_kinds_are_refused_before_running():
+def test_simulation_only_kinds_and_schedule_memory_actions_are_refused_before_running():
     from lightning_pipe.schedules import build_program
     from lightning_pipe.schedules.action_rules import check_executable
 
     assert {k for k, r in ACTION_RULES.items() if not r.executed} == {
-        ActionType.RECOMPUTE,
-        ActionType.OFFLOAD,
-        ActionType.RELOAD,
-        ActionType.STEP,
         ActionType.CUSTOM,
         ActionType.SEND_C,  # split placement (HelixPipe, SPipe): simulated only
         ActionType.RECV_C,
     }
+    # run by the executor as markers, written only from a memory plan (planning.memory_lowering)
+    assert {k for k, r in ACTION_RULES.items() if r.from_memory_plan} == {
+        ActionType.RECOMPUTE,
+        ActionType.OFFLOAD,
+        ActionType.RELOAD,
+    }
     plain = resolve_schedule("1f1b").build(2, 2)
     assert check_executable(plain) is plain
     recompute = build_program("mem", 2, (0,), [[F(0, 0), F(0, 1), B(0, 1), Action(0, ActionType.RECOMPUTE, 0), B(0, 0)]])
-    with pytest.raises(ValueError, match=r"rank 0: 0RECOMPUTE0 \(RECOMPUTE\).*memory plan"):
+    with pytest.raises(ValueError, match=r"rank 0: 0RECOMPUTE0 \(RECOMPUTE\).*written by the strategy from its memory plan"):
         check_executable(validate(recompute))

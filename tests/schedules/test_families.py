@@ -164,6 +164,23 @@ def test_interleaved_group_size_errors_name_the_argument():
         Schedule("interleaved_1f1b", 2, {"microbatch_group_size": 3}).build(4, 12)
 
 
+def test_interleaved_golden_with_a_fixed_group_size_and_uneven_groups():
+    # g=4 on p=2, m=8: warm-up 2(p-1-r) + (v-1)g = 6 on rank 0, 4 on rank 1, at most 2g in flight
+    fixed = Schedule("interleaved_1f1b", 2, {"microbatch_group_size": 4}).build(2, 8)
+    assert compute_rows(fixed) == [
+        "0F0 0F1 0F2 0F3 2F0 2F1 2F2 2B0 2F3 2B1 0F4 2B2 0F5 2B3 0F6 0B0 0F7 0B1 2F4 0B2 2F5 0B3 2F6 2B4 "
+        "2F7 2B5 2B6 2B7 0B4 0B5 0B6 0B7",
+        "1F0 1F1 1F2 1F3 3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 1F4 1B0 1F5 1B1 1F6 1B2 1F7 1B3 3F4 3B4 3F5 3B5 "
+        "3F6 3B6 3F7 3B7 1B4 1B5 1B6 1B7",
+    ]
+    # p=2, m=5: balanced groups (3, 2)
+    uneven = Schedule("interleaved_1f1b", 2).build(2, 5)
+    assert compute_rows(uneven) == [
+        "0F0 0F1 0F2 2F0 2F1 2F2 2B0 0F3 2B1 0F4 2B2 2F3 0B0 2F4 0B1 0B2 2B3 2B4 0B3 0B4",
+        "1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1F3 1B0 1F4 1B1 3F3 1B2 3F4 3B3 3B4 1B3 1B4",
+    ]
+
+
 def test_interleaved_handles_microbatches_not_multiple_of_ranks():
     for p, m in ((4, 6), (4, 9), (3, 2), (5, 13)):
         validate(Schedule("interleaved_1f1b", 2).build(p, m))

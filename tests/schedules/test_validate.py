@@ -141,10 +141,11 @@ def test_long_programs_show_a_window_of_the_grid():
     assert any(line.startswith("...") for line in lines) and len(lines) < 40
 
 
-def test_step_action_is_accepted():
+def test_an_action_without_microbatch_is_refused():
     program = Schedule("1f1b").build(2, 2)
-    actions = [rank + (Action(r, ActionType.STEP),) for r, rank in enumerate(program.actions)]
-    validate(replace(program, actions=tuple(actions)))
+    actions = [rank + (Action(r, ActionType.FORWARD),) for r, rank in enumerate(program.actions)]
+    with pytest.raises(ScheduleError, match="0F: microbatch None outside 0..1"):
+        validate(replace(program, actions=tuple(actions)))
 
 
 def test_memory_actions_follow_their_forward():

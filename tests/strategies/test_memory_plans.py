@@ -14,6 +14,7 @@ import torch
 from lightning_pipe import ElasticPipelineStrategy
 from lightning_pipe.callbacks import MemoryPlanner, PipelineMonitor
 from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks
+from lightning_pipe.planning.memory_lowering import read_memory_plan
 from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory, predict_memory
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.runtime.memory import MemoryRuntime
@@ -72,6 +73,9 @@ class RecordMemory(L.Callback):
             "offloaded": memory.last_step.offloaded_tensors,
             "reloaded": memory.last_step.reloaded_tensors,
             "widths": sorted(set(self.widths)),
+            # the memory plan read off the program this rank ran, and the memory actions it ran
+            "ran_plan": read_memory_plan(memory.program_with_plan(strategy.program)).to_dict(),
+            "markers": sorted({a.action.type.value for a in strategy.last_outcome.records if a.action.type.value.endswith(("COMPUTE", "LOAD"))}),
         }
         if memory.profile is not None:
             shapes = memory.microbatch_shapes(batch)
@@ -132,6 +136,10 @@ def test_every_mechanism_keeps_parity(tmp_path):
             assert MemoryPlan.from_dict(row["plan"]) == plan
             assert row["offloaded"] > 0 and row["reloaded"] >= row["offloaded"]  # offload really copied
             assert max(row["widths"]) <= 4 < 9  # the MLPs really ran in chunks
+            # the program that ran carried the plan as RECOMPUTE/OFFLOAD/RELOAD actions, and the plan reads back
+            ran = MemoryPlan.from_dict(row["ran_plan"])
+            assert all(ran.choice(s, mb) == plan.choice(s, mb) for s in (0, 1) for mb in range(MICROBATCHES))
+            assert row["markers"] == ["OFFLOAD", "RECOMPUTE", "RELOAD"]
     assert 3 in records[1][0]["widths"]  # microbatch 3 of stage 1 used its own chunk size
 
 

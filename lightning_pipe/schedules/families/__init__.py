@@ -2,7 +2,9 @@
 
 Every family is a pure function ``(num_ranks, num_microbatches, **options) -> Program`` that decides
 the compute order of each rank; communication is added by
-:func:`lightning_pipe.schedules.lowering.build_program`.
+:func:`lightning_pipe.schedules.lowering.build_program`. ``gpipe``, ``1f1b``, ``interleaved_1f1b`` and
+``looped_bfs`` are defined once, as DSL presets (``dsl.PRESETS``): their modules register the name and
+build the preset. ``zb_h1``, ``zbv``, ``helix``, ``spipe`` and ``sliced_1f1b`` are generators.
 """
 
 from .gpipe import gpipe

@@ -12,56 +12,19 @@ By default ``m`` need not be a multiple of ``p``: the microbatches are split int
 groups of nearly equal size (each at least ``p``, larger ones first), which equals Megatron's groups
 of ``p`` when ``p`` divides ``m`` and stays deadlock free otherwise (Megatron-Core's remainder group
 smaller than ``p`` deadlocks with this warm-up). ``m < p`` gives one group of ``m`` (extra bubbles).
+
+Defined once, as the DSL preset ``interleaved_1f1b`` (circular placement, ``priority=interleaved``,
+forwards breadth-first and backwards depth-first in groups, ``max_in_flight=auto``: the warm-up above
+plus one, at most ``2g``); this module registers the family name and turns
+``microbatch_group_size`` into the preset's fixed intervals and in-flight limits.
 """
 
 from __future__ import annotations
 
-from ..ir import Action, B, F, Program
-from ..lowering import build_program, place_stages
+from ..dsl import build_preset, microbatch_groups
+from ..ir import Program
 from ..registry import register_schedule
 from ._common import check_sizes
-
-
-def microbatch_groups(num_ranks: int, num_microbatches: int, group_size: int | None = None) -> list[int]:
-    """Sizes of the microbatch groups that go through one chunk before the next chunk.
-
-    Args:
-        num_ranks: pipeline ranks ``p``.
-        num_microbatches: microbatches per step ``m``.
-        group_size: fixed group size (must divide ``m`` and be >= ``p``); None: balanced groups.
-
-    Returns:
-        Group sizes summing to ``m``.
-
-    Raises:
-        ValueError: if ``group_size`` is smaller than ``num_ranks`` or does not divide ``m``.
-    """
-    if group_size is None:
-        count = max(1, num_microbatches // num_ranks)
-        return [num_microbatches // count + (1 if i < num_microbatches % count else 0) for i in range(count)]
-    if group_size < num_ranks or num_microbatches % group_size:
-        raise ValueError(
-            f"interleaved_1f1b: microbatch_group_size={group_size} must be >= num_ranks={num_ranks} and divide "
-            f"num_microbatches={num_microbatches}; leave it None for balanced groups"
-        )
-    return [group_size] * (num_microbatches // group_size)
-
-
-def schedule_table(groups: list[int], stages_per_rank: int) -> list[tuple[int, int]]:
-    """Megatron's ``(microbatch, chunk)`` forward order for one rank.
-
-    Args:
-        groups: microbatch group sizes (:func:`microbatch_groups`).
-        stages_per_rank: chunks per rank ``v``.
-
-    Returns:
-        ``v * m`` pairs ``(microbatch, chunk)`` in forward order.
-    """
-    table, start = [], 0
-    for size in groups:
-        table += [(mb, chunk) for chunk in range(stages_per_rank) for mb in range(start, start + size)]
-        start += size
-    return table
 
 
 def interleaved_1f1b(
@@ -70,7 +33,7 @@ def interleaved_1f1b(
     stages_per_rank: int = 2,
     microbatch_group_size: int | None = None,
 ) -> Program:
-    """Build Megatron's interleaved 1F1B program.
+    """Build Megatron's interleaved 1F1B program (the ``interleaved_1f1b`` preset).
 
     Args:
         num_ranks: pipeline ranks ``p``.
@@ -80,7 +43,7 @@ def interleaved_1f1b(
             ``m`` (Megatron's default), balanced groups of at least ``p`` otherwise.
 
     Returns:
-        The program, communication included.
+        The program, communication included, validated.
 
     Raises:
         ValueError: for non-positive sizes, or a ``microbatch_group_size`` below ``num_ranks`` or
@@ -90,20 +53,14 @@ def interleaved_1f1b(
     v = stages_per_rank
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"interleaved_1f1b: stages_per_rank must be a positive integer, got stages_per_rank={v!r}")
-    groups = microbatch_groups(num_ranks, num_microbatches, microbatch_group_size)
-    table = schedule_table(groups, v)
-    total = len(table)
-    orders: list[list[Action]] = []
-    for rank in range(num_ranks):
-        forwards = [F(chunk * num_ranks + rank, mb) for mb, chunk in table]
-        backwards = [B((v - 1 - chunk) * num_ranks + rank, mb) for mb, chunk in table]
-        warmup = min(2 * (num_ranks - 1 - rank) + (v - 1) * groups[0], total)
-        order = forwards[:warmup]
-        for k in range(total - warmup):
-            order += [forwards[warmup + k], backwards[k]]
-        order += backwards[total - warmup :]
-        orders.append(order)
-    return build_program("interleaved_1f1b", num_microbatches, place_stages("circular", num_ranks, v), orders)
+    if microbatch_group_size is None:
+        return build_preset("interleaved_1f1b", num_ranks, num_microbatches, stages_per_rank=v)
+    group = microbatch_groups(num_ranks, num_microbatches, microbatch_group_size)[0]  # checks the size
+    limits = tuple(min(2 * (num_ranks - 1 - r) + (v - 1) * group + 1, 2 * group) for r in range(num_ranks))
+    return build_preset(
+        "interleaved_1f1b", num_ranks, num_microbatches,
+        stages_per_rank=v, forward_interval=group, backward_interval=group, max_in_flight=limits,
+    )
 
 
 register_schedule("interleaved_1f1b", interleaved_1f1b)
