@@ -38,6 +38,7 @@ from lightning_pipe.model.loss_counting import LossCounter, LossRecord
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.failures import PeerFailure
+from lightning_pipe.runtime.instructions import run_instruction
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
 from lightning_pipe.runtime.split_backward import WeightPass, backward_input
 from lightning_pipe.schedules.action_rules import ACTION_RULES
@@ -216,6 +217,8 @@ class PipelineExecutor:
             self.p2p.send(self._slot(action).input_grads, self._peer(stage - 1, mb), GRADIENT, stage, mb)
         elif kind in (ActionType.RECV_F, ActionType.RECV_B):
             return  # nothing to do here: the tensor is received where it is consumed (module docstring)
+        elif kind is ActionType.CUSTOM:
+            run_instruction(action, self.pipeline_rank)
         elif ACTION_RULES[kind].from_memory_plan:
             if self._work.block_wrapper is None:
                 raise RuntimeError(

@@ -21,9 +21,10 @@ the program it runs from the plan's ``MemoryPlan`` (``planning.memory_lowering``
 runs them as markers, the work itself happening inside the pair's blocks through the wrappers and
 saved-tensor hooks armed for that (stage, microbatch) from the same plan. A schedule must not emit
 them for the strategy (a marker without its plan would promise a recompute nothing performs).
-Registered instructions (``CUSTOM``) and split placement's checkpoints (``SEND_C``/``RECV_C``) are
-not run by the executor. :func:`check_executable` refuses a schedule's program holding any of these
-before training starts.
+Registered instructions (``CUSTOM``) run their ``runtime_function`` (``runtime/instructions.py``).
+Split placement's checkpoints (``SEND_C``/``RECV_C``) are not run by the executor.
+:func:`check_executable` refuses a schedule's program holding those or memory actions before
+training starts.
 
 Order. ``requires`` lists what must have run on the rank before the action, as the validator checks
 it: the pair's own earlier actions (``stage_offset`` 0) and the neighbouring stage's (``-1`` before a
@@ -163,7 +164,7 @@ ACTION_RULES: Mapping[ActionType, ActionRule] = MappingProxyType(
         ActionType.RELOAD: ActionRule(
             reloads=True, from_memory_plan=True, requires=(Dependency((ActionType.OFFLOAD,), 0, "reload after offload"),)
         ),
-        ActionType.CUSTOM: ActionRule(duration="instruction", executed=False),
+        ActionType.CUSTOM: ActionRule(duration="instruction"),
     }
 )
 
@@ -199,7 +200,7 @@ def check_executable(program: Program) -> Program:
             f"Program {program.name!r} holds actions the runtime does not run ({'; '.join(found)}). Memory actions "
             "(RECOMPUTE, OFFLOAD, RELOAD) are written by the strategy from its memory plan: ask for recomputation and "
             "offload with a memory plan (`recompute=`/`offload=` of the strategy, or the `MemoryPlanner` callback); "
-            "registered instructions (CUSTOM) have no runtime yet; split placement "
+            "split placement "
             "(the 'helix' and 'spipe' programs, SEND_C/RECV_C checkpoints) runs only in "
             "runtime/split_executor.py, not in the strategy: use 1f1b, zb_h1 or interleaved_1f1b to train with it. "
             "Remove them from the schedule."

@@ -2,10 +2,10 @@
 
 A registered instruction appears in programs as ``Action(stage, ActionType.CUSTOM, microbatch,
 name=...)`` with the text token ``f"{stage}{name}{microbatch}"`` (``3SYNC7``). The simulator charges
-``seconds``; the runtime does not run instructions yet (``runtime_function``, a dotted path
-``"package.module:function"``, is recorded for it), so the strategy refuses a program holding one
-(:func:`~lightning_pipe.schedules.action_rules.check_executable`). The DSL places it right after
-its anchor action (``after``) on the rank of the anchor stage, every ``every`` microbatches.
+``seconds``; the runtime's executor calls ``runtime_function`` (``"package.module:function"``, with a
+``runtime.instructions.InstructionCall``) where the action stands in the rank's order. The DSL places
+it right after its anchor action (``after``) on the rank of the anchor stage, every ``every``
+microbatches.
 
 Example:
     >>> from lightning_pipe.schedules import Instruction, register_instruction

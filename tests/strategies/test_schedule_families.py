@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lightning_pipe import ElasticPipelineStrategy
+from lightning_pipe.schedules import ActionType, Instruction, register_instruction, unregister_instruction
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, reference_batches, token_batches
 
@@ -75,3 +78,26 @@ def test_dsl_schedule_parity(spec):
     pipelined = fit(make, batches, strategy, devices=2, steps=STEPS)
     reference = fit(make, reference_batches(batches, 1), steps=STEPS)
     assert_same_parameters(pipelined, reference, atol=1e-10)
+
+
+def test_a_registered_instruction_runs_where_the_schedule_places_it(tmp_path):
+    """FlexPipe's user instructions run on the rank, after their anchor action, results unchanged."""
+    register_instruction(
+        Instruction("MARK", "tests.helpers.instructions:record", after=ActionType.BACKWARD, stages=None, every=2,
+                    attributes={"dir": str(tmp_path)}),
+        overwrite=True,
+    )
+    try:
+        batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
+        make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+        strategy = ElasticPipelineStrategy(
+            pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b instructions=MARK", start_method=START_METHOD
+        )
+        pipelined = fit(make, batches, strategy, devices=2, steps=STEPS)
+    finally:
+        unregister_instruction("MARK")
+    reference = fit(make, reference_batches(batches, 1), steps=STEPS)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    for rank in (0, 1):  # after the backward of microbatches 1 and 3 of the rank's stage, every step
+        lines = (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == [["MARK", rank, 1], ["MARK", rank, 3]] * STEPS
