@@ -115,7 +115,7 @@ class MemoryPlanner(L.Callback):
                 " (solved ahead)" if solved else "", [round(p) for p in result.prediction.peak_bytes],
                 result.step_seconds,
             )
-            if self.lookahead and memory.plans_here:
+            if self.lookahead and memory.plans_here and draft.chunks is None:  # chunks describe this batch only
                 found, upcoming = strategy.peek_next_batch()
                 if found:  # solved for this draft: the next batch usually runs the same partition and family
                     ahead = memory.memory_request(upcoming, (batch_idx + 1,), self.budget, self.lengths, draft, **options)
