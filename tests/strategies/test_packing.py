@@ -400,56 +400,44 @@ def test_chunks_proposed_in_the_plan_are_what_runs(tmp_path):
 
 
 def test_sequence_grouping_runs_consecutive_pipelines_with_their_own_plans(tmp_path):
-    """InfiniPipe §3.3.2: a planner groups the batch's sequences into consecutive 1F1B pipelines by
-    Eq. 14's dynamic program (``planning/grouping.py``) under a budget halfway between the full- and
+    """InfiniPipe §3.3.2: `SequenceGrouper` turns every batch into Algorithm 1's chunks grouped into
+    consecutive 1F1B pipelines by Eq. 14's dynamic program under a budget between the full- and
     no-recompute peaks, each pipeline with its own per-(stage, chunk) checkpointing plan; the step runs
     the pipelines one after the other within one optimizer step (gradients accumulate across them)
     and parameters equal one device."""
     import json
 
-    from lightning_pipe.planning.chunking import PlannedChunks, chunk_batch
+    from lightning_pipe.callbacks import SequenceGrouper
     from lightning_pipe.planning.gpt import gpt_cost_model
-    from lightning_pipe.planning.grouping import group_sequences
-    from lightning_pipe.planning.joint import memory_profile_from_cost_model
-    from lightning_pipe.planning.memory_model import MemoryPlan, predict_memory
-    from lightning_pipe.planning.proposals import PlanProposal
-    from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
     from tests.helpers.loop import rank_files
 
-    cost = gpt_cost_model(4, 16, 2, 64)  # the example's size: prices chunks and their memory
-    profile, boundaries = memory_profile_from_cost_model(cost), (0, 2, 4)
+    grouper = SequenceGrouper(gpt_cost_model(4, 16, 2, 64), budget=150_000, num_slices=4)  # the example's size
 
-    class GroupSequences(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            lengths = batch["attention_mask"].sum(1).tolist()
-            chunks = PlannedChunks.from_plan(chunk_batch(lengths, 4, CHUNK_COST), lengths)
-            program = sliced_1f1b(2, chunks.num_microbatches, chunks.slices)
-            none, full = (
-                max(predict_memory(program, boundaries, chunks.shapes, plan, profile).peak_bytes)
-                for plan in (MemoryPlan(), MemoryPlan.from_options("full"))
-            )
-            self.found = group_sequences(chunks, boundaries, profile, (none + full) / 2, cost_model=cost, options=("full",))
-            trainer.strategy.propose(PlanProposal("GroupSequences", chunks=self.found.chunks, memory=self.found.memory))
-
+    class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            strategy = trainer.strategy
+            strategy, found = trainer.strategy, grouper.results[-1]
             ran = strategy.split_batch(batch).plan
             row = {
-                "pipelines": list(ran.pipelines or ()), "planned": list(self.found.chunks.pipelines or ()),
+                "pipelines": list(ran.pipelines or ()), "planned": list(found.chunks.pipelines or ()),
                 "ran": [list(map(list, g)) for g in ran.pieces],
-                "proposed": [list(map(list, g)) for g in self.found.chunks.pieces],
-                "memory": strategy.plan.memory == self.found.memory,
-                "recomputed": sorted({m for (_, m), c in self.found.memory.microbatches.items() if c.full}),
+                "proposed": [list(map(list, g)) for g in found.chunks.pieces],
+                "memory": found.memory is not None and strategy.plan.memory == found.memory,
+                "recomputed": sorted({m for (_, m), c in found.memory.microbatches.items() if not c.is_default}),
+                # the program the step ran: the sliced 1F1B built for these pipelines (one flush between them)
+                "program": [
+                    list(key[2]) for key in strategy._short_programs
+                    if isinstance(key, tuple) and key[:2] == ("sliced", ran.slices) and key[2] == ran.pipelines
+                ],
             }
             with open(tmp_path / f"rank{strategy.layout.pipeline_rank}.txt", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
-    _parity(_gpt, batches, _pipeline(packing=Packer(max_tokens=24, slicing=True)), callbacks=[GroupSequences()])
+    _parity(_gpt, batches, _pipeline(packing=Packer(max_tokens=24, slicing=True)), callbacks=[grouper, Record()])
     for text in rank_files(tmp_path).values():
         rows = [json.loads(line) for line in text.splitlines()]
         assert len(rows) == STEPS
         for row in rows:
             assert len(row["pipelines"]) > 1 and row["pipelines"] == row["planned"]
-            assert row["ran"] == row["proposed"] and row["memory"]
-            assert row["recomputed"] and len(row["recomputed"]) < len(row["ran"])
+            assert row["ran"] == row["proposed"] and row["memory"] and row["program"] == [row["pipelines"]]
+            assert row["recomputed"] and len(row["recomputed"]) < len(row["ran"])  # some chunks recompute, not all
