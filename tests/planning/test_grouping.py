@@ -27,7 +27,7 @@ def _setup():
     chunks = PlannedChunks.from_plan(chunk_batch(LENGTHS, 4, CHUNK_COST), LENGTHS)
     profile = memory_profile_from_cost_model(cost)
     program = sliced_1f1b(2, chunks.num_microbatches, chunks.slices)
-    peak = lambda plan: max(predict_memory(program, BOUNDARIES, chunks.shapes, plan, profile).peak_bytes)  # noqa: E731
+    peak = lambda plan: max(predict_memory(program, BOUNDARIES, chunks.shapes, plan, profile).peak_bytes)
     return cost, chunks, profile, peak(MemoryPlan()), peak(MemoryPlan.from_options("full"))
 
 
