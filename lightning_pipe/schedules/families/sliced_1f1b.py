@@ -14,8 +14,11 @@ working while the last rank turns around). So in the steady state stage ``p`` (1
 ``d_p - p + N`` microbatches in flight with ``N`` slices per sequence (InfiniPipe Eq. 7); with one
 slice per sequence this is 1F1B.
 
-Not registered as a family name yet: the runtime does not run sliced microbatches (see
-docs/long_sequences.md); the planners and the simulated benchmark use it.
+With ``pipelines`` (InfiniPipe's sequence grouping, §3.3.2) the sequences form several consecutive
+1F1B pipelines, each rank running one after the other, so each pipeline has its own window.
+
+Not registered as a family name: the strategy runs it for a packed batch that slices (``schedule="1f1b"``,
+docs/long_sequences.md); the planners and the simulated benchmarks use it too.
 """
 
 from __future__ import annotations
