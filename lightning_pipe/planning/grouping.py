@@ -185,7 +185,8 @@ def group_sequences(
     best[0][0] = 0.0
     for j in range(1, len(counts) + 1):
         for i in range(j):
-            if not any(math.isfinite(v) for v in best[i][:limit]):
+            # useful only from a reachable state that leaves a pipeline for the classes after j
+            if not any(math.isfinite(best[i][p]) and (j == len(counts) or p + 1 < limit) for p in range(limit)):
                 continue
             key = (i, j)
             if key not in solved:
