@@ -8,6 +8,7 @@ from lightning_pipe.callbacks.monitor import PipelineMonitor
 from lightning_pipe.callbacks.profiler import PipelineProfiler
 from lightning_pipe.callbacks.progress import PipelineProgressBar
 from lightning_pipe.callbacks.schedule_switch import ScheduleSwitch
+from lightning_pipe.callbacks.sequence_grouping import SequenceGrouper
 
 # Public: callbacks users add to the Trainer.
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "PipelineProfiler",
     "PipelineProgressBar",
     "ScheduleSwitch",
+    "SequenceGrouper",
 ]

@@ -24,6 +24,7 @@ from lightning_pipe.planning.cost_model import CostModel, LinearCost, Microbatch
 from lightning_pipe.planning.depth_estimators import AggregateDepthEstimator, CostModelDepthEstimator
 from lightning_pipe.planning.fit import LinearFit, TimingSample, UnitFit, fit_linear_cost, fit_unit_cost
 from lightning_pipe.planning.gpt import gpt_1_3b, gpt_7b, gpt_cost_model
+from lightning_pipe.planning.grouping import SequenceGrouping, group_sequences
 from lightning_pipe.planning.hbsa import (
     DepthDecision,
     DepthEstimator,
@@ -116,6 +117,7 @@ __all__ = [
     "PipelinePlan",
     "PlanProposal",
     "PlannedChunks",
+    "SequenceGrouping",
     "RegroupPlan",
     "SearchBounds",
     "SearchResult",
@@ -149,6 +151,7 @@ __all__ = [
     "gpt_1_3b",
     "gpt_7b",
     "gpt_cost_model",
+    "group_sequences",
     "merge_proposals",
     "minimum_stages",
     "plan_joint",

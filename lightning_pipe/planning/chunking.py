@@ -124,11 +124,15 @@ class PlannedChunks:
         slices: microbatches per scheduled group (``sliced_1f1b``'s ``slices``), summing to the
             number of microbatches.
         sequence_lengths: real tokens of each sequence of the batch the chunks were made for.
+        pipelines: InfiniPipe's sequence grouping (§3.3.2, ``planning/grouping.py``): entries of
+            ``slices`` per consecutive 1F1B pipeline of the step (gradients accumulate across them);
+            None: one pipeline.
     """
 
     pieces: tuple[tuple[tuple[int, int, int], ...], ...]
     slices: tuple[int, ...]
     sequence_lengths: tuple[int, ...]
+    pipelines: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         pieces = tuple(tuple((int(i), int(a), int(n)) for i, a, n in group) for group in self.pieces)
@@ -139,6 +143,14 @@ class PlannedChunks:
             raise ValueError("`PlannedChunks.pieces`: every microbatch needs at least one piece.")
         if sum(self.slices) != len(pieces) or min(self.slices) < 1:
             raise ValueError(f"`PlannedChunks.slices` {list(self.slices)} must be >= 1 and sum to the {len(pieces)} microbatches.")
+        if self.pipelines is not None:
+            pipelines = tuple(int(c) for c in self.pipelines)
+            if not pipelines or min(pipelines) < 1 or sum(pipelines) != len(self.slices):
+                raise ValueError(
+                    f"`PlannedChunks.pipelines` {list(pipelines)} must be >= 1 and sum to the {len(self.slices)} "
+                    "scheduled groups of `slices`."
+                )
+            object.__setattr__(self, "pipelines", None if len(pipelines) == 1 else pipelines)
         covered: dict[int, int] = {}
         for m, group in enumerate(pieces):
             for position, (i, a, n) in enumerate(group):
@@ -167,8 +179,9 @@ class PlannedChunks:
 
     @property
     def is_sliced(self) -> bool:
-        """Whether a sequence is cut into slices (the step runs sliced 1F1B)."""
-        return any(count > 1 for count in self.slices)
+        """Whether a sequence is cut into slices or the batch runs as several pipelines (the step runs
+        sliced 1F1B)."""
+        return any(count > 1 for count in self.slices) or self.pipelines is not None
 
     @property
     def shapes(self) -> list[MicrobatchShape]:
@@ -181,7 +194,8 @@ class PlannedChunks:
 
 def chunk_program(plan: Any, num_ranks: int) -> Program:
     """The training program of a :class:`~lightning_pipe.planning.plan.PipelinePlan` with chunks:
-    sliced 1F1B when a sequence is sliced (backward last slice first), else the plan's family.
+    sliced 1F1B when a sequence is sliced (backward last slice first; one pipeline after the other
+    when the chunks are grouped into several), else the plan's family.
 
     Raises:
         ValueError: sliced chunks with a family other than ``"1f1b"``.
@@ -193,7 +207,7 @@ def chunk_program(plan: Any, num_ranks: int) -> Program:
         raise ValueError(
             f"Sliced chunks run as sliced 1F1B; schedule {plan.schedule.name!r} cannot run them: use '1f1b'."
         )
-    return sliced_1f1b(num_ranks, chunks.num_microbatches, chunks.slices)
+    return sliced_1f1b(num_ranks, chunks.num_microbatches, chunks.slices, chunks.pipelines)
 
 
 def chunk_time_model(cost_model: CostModel) -> LinearCost:

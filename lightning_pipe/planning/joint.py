@@ -4,7 +4,9 @@ Each lever alone has a planner (``plan_partition``, ``auto_schedule``, ``balance
 ``plan_memory``); chained one after the other they optimise each part for the others' *previous*
 choices. :func:`plan_joint` searches them together for one batch under a memory budget:
 
-for every family and every microbatching (count x even/balanced sizes), it prices partitions
+for every family and every microbatching (count x even/balanced sizes, and the chunkings of
+``JointConfig.chunkings``: InfiniPipe's Algorithm 1 with each slice number, packed and sliced chunks
+priced by their pieces and run as sliced 1F1B when sliced), it prices partitions
 
 * ``free``: the exact fastest partition with no memory limit (``plan_partition``) and, if it does not
   fit the budget, the fastest memory plan for it (``plan_memory``);
@@ -51,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_pipe.planning.boundaries import unit_ranges
-from lightning_pipe.planning.chunking import chunk_program
+from lightning_pipe.planning.chunking import PlannedChunks, chunk_batch, chunk_program, chunk_time_model
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape
 from lightning_pipe.planning.memory_model import (
     FULL,
@@ -73,6 +75,7 @@ from lightning_pipe.planning.microbatching import (
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.schedules import Schedule, resolve_schedule
+from lightning_pipe.schedules.ir import Program
 
 __all__ = [
     "JointCache",
@@ -86,6 +89,7 @@ __all__ = [
 ]
 
 EVEN, BALANCED = "even", "balanced"
+CHUNKS = "chunks"  # microbatching label prefix of a chunking: "chunks(N=4)"
 PRUNED = "pruned"  # a group not priced: its bound was above the best plan found
 BOUNDED = "bounded"  # a partition not priced: its step without a memory plan was above the best plan found
 
@@ -118,6 +122,16 @@ class JointConfig:
         grouped: a plan without sizes runs the batch's samples longest first, in microbatches sized
             by :func:`~lightning_pipe.planning.microbatching.padded_microbatch_sizes` (what the
             strategy does to a padded batch with ``trim_padding`` and ``group_by_length``); price it so.
+        chunkings: slice numbers ``N`` of InfiniPipe's Algorithm 1 to consider as microbatchings
+            besides the padded ones (packing on: ``1`` packs whole sequences into chunks of at most the
+            longest's tokens, ``N > 1`` also cuts the longest sequence into ``N`` slices of equal time
+            and every sequence longer than the first slice with the same cut; the chunk length follows
+            from ``N``). Chunks are priced by their pieces (attention's quadratic term per piece) and
+            run as sliced 1F1B when sliced (family ``"1f1b"`` only), else with any family. Empty: no
+            packing (the default). Needs a strategy that packs and slices
+            (``Packer(max_tokens=..., slicing=True)``) to run the chosen chunks.
+        max_chunk_tokens: chunkings whose longest chunk holds more tokens are left out (the packer's
+            ``max_tokens``); None: no limit.
     """
 
     families: tuple = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b")
@@ -132,6 +146,8 @@ class JointConfig:
     time_limit: float | None = None
     padded: bool = False
     grouped: bool = False
+    chunkings: tuple[int, ...] = ()
+    max_chunk_tokens: int | None = None
 
     def counts(self, num_ranks: int) -> tuple[int, ...]:
         """The microbatch counts for ``num_ranks`` pipeline ranks."""
@@ -406,6 +422,7 @@ def plan_joint(
     search = _JointSearch(cost_model, profile, num_ranks, None if budget is None else float(budget), config, cache)
     per_sample = sample_costs(lengths, cost_model)
     groups = []
+    chunkings = _chunkings(cost_model, lengths, config)
     for spec in config.families:
         schedule = resolve_schedule(spec)
         if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
@@ -424,6 +441,17 @@ def plan_joint(
                 if not _runs(schedule, num_ranks, len(sizes)):
                     continue
                 groups.append(search.group(schedule, sizes, mode, shapes))
+        for chunks in chunkings:  # packed (and sliced) chunks, priced by their pieces
+            if chunks.is_sliced and schedule.name != "1f1b":
+                continue  # slices run as sliced 1F1B (backward last slice first)
+            if not chunks.is_sliced and not _runs(schedule, num_ranks, chunks.num_microbatches):
+                continue
+            program = None
+            if chunks.is_sliced:
+                draft = PipelinePlan((0, cost_model.num_blocks), schedule, chunks.num_microbatches, chunks=chunks)
+                program = chunk_program(draft, num_ranks)
+            label = f"{CHUNKS}(N={_slice_number(chunks)})"
+            groups.append(search.group(schedule, (), label, tuple(chunks.shapes), chunks, program))
     # Branch and bound over the (family, microbatching) groups, the most promising first (the best
     # partition a quick local search finds): a group whose lower bound is above the best step plus
     # migration found cannot hold the choice (memory plans and moves only add time), and a group's
@@ -487,8 +515,17 @@ class _Group:
     quick: PartitionPlan
     bound: float
     free: PartitionPlan | None = None
+    chunks: PlannedChunks | None = None
+    program: Program | None = None  # sliced chunks: the sliced 1F1B program (the family's otherwise)
+
+    @property
+    def source(self) -> Schedule | Program:
+        """What the partition searches simulate: the sliced program, or the family."""
+        return self.program if self.program is not None else self.schedule
 
     def plan(self, boundaries: tuple[int, ...]) -> PipelinePlan:
+        if self.chunks is not None:
+            return PipelinePlan(boundaries, self.schedule, self.chunks.num_microbatches, chunks=self.chunks)
         return PipelinePlan(boundaries, self.schedule, len(self.sizes), None, self.sizes if self.mode == BALANCED else None)
 
     def pruned(self) -> JointCandidate:
@@ -551,31 +588,37 @@ class _JointSearch:
             self.cache._put(self.cache._partitions, key, (found, cutoff))
         return found
 
-    def group(self, schedule: Schedule, sizes: tuple[int, ...], mode: str, shapes: tuple) -> _Group:
+    def group(
+        self, schedule: Schedule, sizes: tuple[int, ...], mode: str, shapes: tuple,
+        chunks: PlannedChunks | None = None, program: Program | None = None,
+    ) -> _Group:
         """The group with its quick partition (seeds and local search only) and the bound that needs no search."""
-        quick = self.partition("quick", schedule, shapes, None, time_limit=0.0)
+        quick = self.partition("quick", program if program is not None else schedule, shapes, None, time_limit=0.0)
         assert quick is not None  # without a limit every partition fits
-        return _Group(schedule, sizes, mode, shapes, quick, quick.lower_bound_seconds)
+        return _Group(schedule, sizes, mode, shapes, quick, quick.lower_bound_seconds, None, chunks, program)
 
     def search_free(self, group: _Group, cutoff: float) -> _Group:
         """The group with its exact unconstrained partition below ``cutoff`` (the best one otherwise
         found) and the search's bound (at least ``cutoff / (1 + relative_gap)`` when nothing is faster)."""
         free = self.partition(
-            "free", group.schedule, group.shapes, None, cutoff, self.search_seconds(),
+            "free", group.source, group.shapes, None, cutoff, self.search_seconds(),
             candidates=[group.quick.boundaries],
         )
         assert free is not None
         return dataclasses.replace(group, free=free, bound=max(group.bound, free.lower_bound_seconds))
 
     def evaluate(self, plan: PipelinePlan, shapes: tuple) -> tuple[float, PipelinePlan]:
-        key = (plan.boundaries, plan.schedule, shapes, self.limit)
+        grouping = None if plan.chunks is None else (plan.chunks.slices, plan.chunks.pipelines)
+        key = (plan.boundaries, plan.schedule, shapes, self.limit, grouping)
         kept = None if self.cache is None else self.cache._get(self.cache._evaluations, key)
         if kept is None:
             kept = _plan_memory_for(self.cost_model, self.profile, self.config, plan, shapes, self.num_ranks, self.limit)
             if self.cache is not None:
                 self.cache._put(self.cache._evaluations, key, kept)
         seconds, memory = kept
-        return seconds, PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, memory, plan.microbatch_sizes)
+        return seconds, PipelinePlan(
+            plan.boundaries, plan.schedule, plan.num_microbatches, memory, plan.microbatch_sizes, plan.chunks
+        )
 
     def price(
         self, group: _Group, current: PipelinePlan | None, extra: Sequence[Sequence[int]], best_total: float,
@@ -606,7 +649,7 @@ class _JointSearch:
             add(group.free.boundaries, "free")
             for kind in ("fit", "recompute"):
                 result = self.partition(
-                    kind, group.schedule, group.shapes, self.limit, best if kind == "fit" else math.inf,
+                    kind, group.source, group.shapes, self.limit, best if kind == "fit" else math.inf,
                     self.search_seconds(),
                 )
                 if result is not None:
@@ -625,7 +668,7 @@ class _JointSearch:
 
     def unconstrained(self, plan: PipelinePlan, group: _Group) -> float:
         """Simulated step of ``plan``'s partition without a memory plan (a lower bound of it with any)."""
-        return evaluate_partition(self.cost_model, list(group.shapes), group.schedule, self.num_ranks, plan.boundaries).step_seconds
+        return evaluate_partition(self.cost_model, list(group.shapes), group.source, self.num_ranks, plan.boundaries).step_seconds
 
 
 def _plan_memory_for(
@@ -633,7 +676,7 @@ def _plan_memory_for(
     num_ranks: int, limit: float | None,
 ) -> tuple[float, MemoryPlan | None]:
     """Simulated seconds of ``plan``'s partition with its fastest memory plan under ``limit`` (inf if none fits)."""
-    program = plan.schedule.build(num_ranks, len(shapes))
+    program = chunk_program(plan, num_ranks) if plan.chunks is not None else plan.schedule.build(num_ranks, len(shapes))
     try:
         result = plan_memory(
             program, plan.boundaries, list(shapes), profile, math.inf if limit is None else limit, cost_model=cost_model,
@@ -643,3 +686,26 @@ def _plan_memory_for(
     except MemoryBudgetError:
         return math.inf, None
     return result.step_seconds, None if result.plan.is_empty else result.plan
+
+
+def _chunkings(cost_model: CostModel, lengths: Sequence[int], config: JointConfig) -> list[PlannedChunks]:
+    """Algorithm 1's chunks of the batch for every slice number of ``config.chunkings`` (distinct ones,
+    within ``max_chunk_tokens``)."""
+    if not config.chunkings or not lengths or min(lengths) < 1:
+        return []
+    time_model = chunk_time_model(cost_model)
+    found: dict[tuple, PlannedChunks] = {}
+    for num_slices in sorted(set(config.chunkings)):
+        if not 1 <= num_slices <= max(lengths):
+            continue
+        chunked = chunk_batch(lengths, num_slices, time_model)
+        if config.max_chunk_tokens is not None and max(c.tokens for c in chunked.chunks) > config.max_chunk_tokens:
+            continue
+        chunks = PlannedChunks.from_plan(chunked, lengths)
+        found.setdefault((chunks.pieces, chunks.slices), chunks)
+    return list(found.values())
+
+
+def _slice_number(chunks: PlannedChunks) -> int:
+    """Slices of the longest sequence."""
+    return max(chunks.slices)

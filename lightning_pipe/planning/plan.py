@@ -108,6 +108,7 @@ class PipelinePlan:
             "num_microbatches": self.num_microbatches,
             "microbatch_sizes": None if self.microbatch_sizes is None else list(self.microbatch_sizes),
             "chunk_groups": None if self.chunks is None else list(self.chunks.slices),
+            "chunk_pipelines": None if self.chunks is None or self.chunks.pipelines is None else list(self.chunks.pipelines),
             "memory": {} if self.memory is None else self.memory.to_dict(),
             "widths": None if self.widths is None else list(self.widths),
         }

@@ -121,8 +121,8 @@ class Packer:
         return PackingPlan(len(lengths), tuple(lengths), pieces, tuple(per_token), self, (1,) * len(pieces))
 
 
-Chunker = Callable[[list[int]], tuple[tuple[tuple[tuple[int, int, int], ...], ...], tuple[int, ...]]]
-"""``lengths -> (pieces per microbatch, microbatches per scheduled group)``."""
+Chunker = Callable[[list[int]], tuple[Any, ...]]
+"""``lengths -> (pieces per microbatch, microbatches per scheduled group[, groups per pipeline])``."""
 
 
 def planned_chunker(packer: Packer, chunks: Any) -> Chunker:
@@ -138,13 +138,13 @@ def planned_chunker(packer: Packer, chunks: Any) -> Chunker:
             "`packing=Packer(max_tokens=..., slicing=True)`."
         )
 
-    def chunker(lengths: list[int]) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], tuple[int, ...]]:
+    def chunker(lengths: list[int]) -> tuple[Any, ...]:
         if tuple(lengths) != tuple(chunks.sequence_lengths):
             raise ValueError(
                 f"The plan's chunks were made for sequences of {list(chunks.sequence_lengths)[:8]} tokens, but this "
                 f"batch holds {list(lengths)[:8]}: propose chunks for the batch that runs (in `on_train_batch_start`)."
             )
-        return chunks.pieces, chunks.slices
+        return chunks.pieces, chunks.slices, getattr(chunks, "pipelines", None)
 
     return chunker
 
@@ -161,8 +161,10 @@ def _sliced_plan(
         labels = batch[LABELS]
         targets = int(sum(int((labels[i, 1:n] != packer.ignore_index).sum()) for i, n in enumerate(lengths)))
     if chunker is not None:
-        pieces, slices = chunker(lengths)
-        return PackingPlan(len(lengths), tuple(lengths), pieces, tuple(per_token), packer, slices, targets)
+        pieces, slices, *pipelines = chunker(lengths)
+        return PackingPlan(
+            len(lengths), tuple(lengths), pieces, tuple(per_token), packer, slices, targets, (pipelines or [None])[0]
+        )
     long = sorted((i for i, n in enumerate(lengths) if n > budget), key=lambda i: (-lengths[i], i))
     pieces: list[tuple[tuple[int, int, int], ...]] = []
     slices: list[int] = []
@@ -231,6 +233,8 @@ class PackingPlan:
             (backward last slice first, ``schedules/families/sliced_1f1b.py``), others groups of one.
         targets: with slicing, the targets the unsliced batch counts (labels shifted inside the
             model), which the step's loss calls must count too.
+        pipelines: scheduled groups per consecutive 1F1B pipeline (a plan's grouped chunks,
+            ``planning/grouping.py``); None: one pipeline.
     """
 
     batch_size: int
@@ -240,6 +244,7 @@ class PackingPlan:
     packer: Packer = field(default_factory=Packer)
     slices: tuple[int, ...] = ()
     targets: int | None = None
+    pipelines: tuple[int, ...] | None = None
 
     @property
     def sequences(self) -> tuple[tuple[int, ...], ...]:
@@ -248,8 +253,8 @@ class PackingPlan:
 
     @property
     def is_sliced(self) -> bool:
-        """Whether some sequence is cut into slices."""
-        return any(count > 1 for count in self.slices)
+        """Whether some sequence is cut into slices or the step runs several pipelines (sliced 1F1B)."""
+        return any(count > 1 for count in self.slices) or self.pipelines is not None
 
     def slice_of(self, microbatch: int) -> tuple[int, int, int] | None:
         """``(sample, slice index, context)`` when ``microbatch`` starts with a slice of a sliced sequence

@@ -956,11 +956,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 f"first); schedule {self.schedule.name!r} cannot run them. Use `schedule='1f1b'`, or a larger "
                 "`max_tokens` so that no sequence is sliced."
             )
-        program = self._short_programs.get(("sliced", plan.slices))
+        key = ("sliced", plan.slices, plan.pipelines)
+        program = self._short_programs.get(key)
         if program is None:
-            program = sliced_1f1b(self.pipeline_parallel_size, plan.num_microbatches, plan.slices)
+            program = sliced_1f1b(self.pipeline_parallel_size, plan.num_microbatches, plan.slices, plan.pipelines)
             validate(program)
-            self._short_programs[("sliced", plan.slices)] = program
+            self._short_programs[key] = program
         return program if train else forward_only(program)
 
     def _slice_roots(self, plan: PackingPlan, store: KeyValueStore) -> Any:

@@ -413,7 +413,7 @@ class StrategyMemory:
         """Sliced 1F1B when the batch's packing cuts sequences into slices (what the step will run)."""
         packing = self.context.split_batch(batch, plan).plan
         if isinstance(packing, PackingPlan) and packing.is_sliced:
-            program = sliced_1f1b(self.context.pipeline_parallel_size, count, packing.slices)
+            program = sliced_1f1b(self.context.pipeline_parallel_size, count, packing.slices, packing.pipelines)
             validate(program)
             return program
         return None

@@ -115,3 +115,51 @@ def test_padded_batches_are_priced_as_they_run():
     assert grouped < 0.7 * padded  # longest first, padded-sized: 900 and 600 each alone, the short ones together
     best = plan_joint(model, mixed, RANKS, None, config=_config(padded=True, grouped=True, microbatching=("even",)))
     assert best.plan.microbatch_sizes is None and best.step_seconds <= grouped * (1 + 1e-9)
+
+
+def test_chunkings_are_a_lever_and_the_better_one_is_chosen():
+    """With Algorithm 1's chunkings as candidates (packing, and slicing the longest sequence into 2 or
+    4 slices), the joint planner picks a chunking when one is faster under the model than every padded
+    microbatching (this long-tailed batch: the 4096-token sequence dominates a padded microbatch), and
+    the step it states is what ``evaluate_plan`` prices for the plan (sliced 1F1B over the pieces)."""
+    model = _model()
+    padded = plan_joint(model, LENGTHS, RANKS, None, config=_config())
+    joint = plan_joint(model, LENGTHS, RANKS, None, config=_config(chunkings=(1, 2, 4)))
+    assert joint.plan.chunks is not None and joint.step_seconds < padded.step_seconds
+    assert joint.step_seconds == pytest.approx(
+        evaluate_plan(model, LENGTHS, joint.plan, RANKS, None, plan_memory_too=False)[0], rel=1e-12
+    )
+    chunked = [c for c in joint.candidates if c.microbatching.startswith("chunks") and c.origin not in ("pruned", "bounded")]
+    for c in chunked:
+        assert evaluate_plan(model, LENGTHS, c.plan, RANKS, None, plan_memory_too=False)[0] == pytest.approx(c.step_seconds)
+    # a chunking no faster than the padded plan is not chosen: holding the chunking at N = 1 costs more here
+    assert joint.best_where(microbatching="chunks(N=1)") >= joint.step_seconds
+    # under a budget the chosen chunks fit too (memory planned on the sliced program)
+    profile = memory_profile_from_cost_model(model)
+    budget = 0.8 * _peak(padded.plan, profile)
+    fitted = plan_joint(model, LENGTHS, RANKS, budget, config=_config(chunkings=(1, 2, 4)))
+    program = fitted.plan.schedule.build(RANKS, fitted.plan.num_microbatches)
+    if fitted.plan.chunks is not None:
+        from lightning_pipe.planning.chunking import chunk_program
+
+        program = chunk_program(fitted.plan, RANKS)
+        shapes = fitted.plan.chunks.shapes
+    else:
+        shapes = microbatch_shapes(LENGTHS, fitted.plan.microbatch_sizes or even_microbatch_sizes(len(LENGTHS), fitted.plan.num_microbatches))
+    memory = fitted.plan.memory or MemoryPlan()
+    assert max(predict_memory(program, fitted.plan.boundaries, shapes, memory, profile).peak_bytes) <= budget
+
+
+def test_chunkings_stay_within_the_time_limit():
+    """With the whole search's time limit spent at once, only the most promising (family, microbatching)
+    group is searched: the chunkings add candidates, not unbounded planning time; the bound stays valid."""
+    from lightning_pipe.planning.joint import PRUNED
+
+    model = _model()
+    full = plan_joint(model, LENGTHS, RANKS, None, config=_config(chunkings=(1, 2, 4, 8)))
+    hurried = plan_joint(model, LENGTHS, RANKS, None, config=_config(chunkings=(1, 2, 4, 8), time_limit=0.0))
+    searched = {(c.plan.schedule.name, c.plan.num_microbatches, c.microbatching) for c in hurried.candidates if c.origin != PRUNED}
+    assert len(searched) == 1
+    assert any(c.microbatching.startswith("chunks") for c in hurried.candidates)
+    assert hurried.lower_bound_seconds <= full.step_seconds + 1e-12
+    assert hurried.step_seconds >= full.lower_bound_seconds - 1e-12

@@ -397,3 +397,47 @@ def test_chunks_proposed_in_the_plan_are_what_runs(tmp_path):
             assert row["ran"] == row["proposed"] and row["in_plan"] and row["sliced"]
             assert row["planned_for"] == len(row["proposed"])
     assert all(not Packer(max_tokens=24, slicing=True).plan(b, 3).is_sliced for b in batches)
+
+
+def test_sequence_grouping_runs_consecutive_pipelines_with_their_own_plans(tmp_path):
+    """InfiniPipe §3.3.2: `SequenceGrouper` turns every batch into Algorithm 1's chunks grouped into
+    consecutive 1F1B pipelines by Eq. 14's dynamic program under a budget between the full- and
+    no-recompute peaks, each pipeline with its own per-(stage, chunk) checkpointing plan; the step runs
+    the pipelines one after the other within one optimizer step (gradients accumulate across them)
+    and parameters equal one device."""
+    import json
+
+    from lightning_pipe.callbacks import SequenceGrouper
+    from lightning_pipe.planning.gpt import gpt_cost_model
+    from tests.helpers.loop import rank_files
+
+    grouper = SequenceGrouper(gpt_cost_model(4, 16, 2, 64), budget=150_000, num_slices=4)  # the example's size
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            strategy, found = trainer.strategy, grouper.results[-1]
+            ran = strategy.split_batch(batch).plan
+            row = {
+                "pipelines": list(ran.pipelines or ()), "planned": list(found.chunks.pipelines or ()),
+                "ran": [list(map(list, g)) for g in ran.pieces],
+                "proposed": [list(map(list, g)) for g in found.chunks.pieces],
+                "memory": found.memory is not None and strategy.plan.memory == found.memory,
+                "recomputed": sorted({m for (_, m), c in found.memory.microbatches.items() if not c.is_default}),
+                # the program the step ran: the sliced 1F1B built for these pipelines (one flush between them)
+                "program": [
+                    list(key[2]) for key in strategy._short_programs
+                    if isinstance(key, tuple) and key[:2] == ("sliced", ran.slices) and key[2] == ran.pipelines
+                ],
+            }
+            with open(tmp_path / f"rank{strategy.layout.pipeline_rank}.txt", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    batches = padded_lm_batches(STEPS, batch_size=8, max_len=24, seed=1)
+    _parity(_gpt, batches, _pipeline(packing=Packer(max_tokens=24, slicing=True)), callbacks=[grouper, Record()])
+    for text in rank_files(tmp_path).values():
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert len(rows) == STEPS
+        for row in rows:
+            assert len(row["pipelines"]) > 1 and row["pipelines"] == row["planned"]
+            assert row["ran"] == row["proposed"] and row["memory"] and row["program"] == [row["pipelines"]]
+            assert row["recomputed"] and len(row["recomputed"]) < len(row["ran"])  # some chunks recompute, not all
