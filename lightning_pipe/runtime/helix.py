@@ -16,8 +16,8 @@ stages keep their activations. Messages carry shapes and dtypes, so any microbat
 Two ways to say what the non-block code is: :class:`HelixParts` (embedding, head and loss as
 functions) or :class:`StepHelixStages`, which runs the user's own unchanged step function through a
 :class:`~lightning_pipe.model.StageRunner` (the strategy's mechanism: non-block code for real, other
-blocks as placeholders), cutting it at the block whose pre-attention the stage runs. The strategy does
-not use either yet, so ``schedule="helix"`` is not available through ``ElasticPipelineStrategy``.
+blocks as placeholders), cutting it at the block whose pre-attention the stage runs. The strategy runs
+``schedule="helix"`` with the latter (``strategies/split_step.py``).
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ class StepHelixStages(HelixStages):
         self.runner, self.step_name = runner, step_name
         self.loss = loss or (lambda output: output["loss"] if isinstance(output, dict) else output)
         self.logs: dict[int, list] = {}
+        self.recorder: Any = None  # a runtime.split_step.LastStageRecorder: the last stage's outcome (the strategy's)
 
     def compute(self, stage: int, microbatch: Any, inputs: list[Any]) -> list[Any]:
         """One stage for ``microbatch``: the step's arguments, ``(batch, batch_idx)``."""
@@ -197,10 +198,16 @@ class StepHelixStages(HelixStages):
 
         first = min(layer, num_blocks)
         span = StageSpan(stage, first, min(layer + 1, num_blocks), num_blocks)
-        try:
-            result = self.runner.run(
+
+        def run() -> Any:
+            return self.runner.run(
                 self.step_name, tuple(microbatch), span, receive=receive if stage else None, wrap_block=pre_attention
             )
+
+        if stage == self.num_stages - 1 and self.recorder is not None:
+            return self.recorder.run(microbatch, run)
+        try:
+            result = run()
         except _PreAttentionDone:
             return captured
         self.logs[id(microbatch)] = result.logs

@@ -72,9 +72,22 @@ def test_runtime_refusal_sizes_and_a_late_checkpoint():
         validate(dataclasses.replace(program, actions=tuple(tuple(r) for r in rows)))
 
 
-def test_the_strategy_names_are_refused_with_what_to_do():
-    from lightning_pipe.schedules import resolve_schedule
+def test_the_names_resolve_and_build_per_model():
+    """"helix"/"spipe" resolve to schedules the strategy builds from the block count; the registry's
+    ``build`` (ranks x stages_per_rank stages) refuses them, naming what builds them."""
+    from lightning_pipe.schedules import is_split_placement, resolve_schedule, split_program
 
     for name in ("helix", "spipe"):
-        with pytest.raises(ValueError, match="SplitPlacementExecutor"):
-            resolve_schedule(name).build(2, 4)
+        schedule = resolve_schedule(name)
+        assert is_split_placement(schedule) and schedule.name == name
+        with pytest.raises(ValueError, match="split_program"):
+            schedule.build(2, 4)
+    assert split_program(resolve_schedule("helix"), 2, 4, 4).num_stages == 9
+    spec = resolve_schedule({"name": "spipe", "stages_per_rank": 1, "backward_split": 2})
+    assert split_program(spec, 2, 4, 4).num_stages == 4
+    with pytest.raises(ValueError, match="4 stages of equal block counts; 6 blocks"):
+        split_program(spec, 2, 4, 6)
+    with pytest.raises(ValueError, match="multiple of the pipeline ranks"):
+        split_program(resolve_schedule("helix"), 2, 4, 3)
+    with pytest.raises(ValueError, match="unknown \\['layers_per_rank'\\]"):
+        resolve_schedule({"name": "helix", "layers_per_rank": 2})  # follows the model, not an option

@@ -1,0 +1,277 @@
+"""``schedule="helix"`` (HelixPipe) and ``schedule="spipe"`` (SPipe) inside ``ElasticPipelineStrategy``.
+
+Split-placement programs (``Program.pair_ranks``) run a stage's actions on several ranks, so the
+strategy's contiguous stages, sharding and ``PipelineExecutor`` do not apply to them. The strategy
+hands its setup, step, gradient synchronization and gradient norm to :class:`SplitPlacement` (one line
+each); everything else (the microbatch plan, loss weights, log replay, metrics, clipping, accumulation,
+checkpoints) is the strategy's own:
+
+* **helix**: every pipeline rank keeps the *whole* module (parameters replicated, not sharded: the
+  memory per rank is not divided, see docs/schedules.md). Each block is cut at its attention
+  (``model/sub_blocks.py``, captured on the first training batch); the program's stages run the user's
+  step through the stage runner (``runtime/helix.StepHelixStages``). A parameter's gradient is computed
+  on the rank of its unit's backward; after the step the gradients are summed over the pipeline and
+  every rank steps the same optimizer on the same values, so the replicas stay equal.
+* **spipe**: parameters live in host shared memory, mapped by every process of the machine
+  (``share_memory`` in the main process before the ranks fork). Stages are ranges of whole blocks
+  (``runtime/spipe.StepSPipeStages``); the backward of a stage runs on another rank than its forward,
+  which recomputes it from the checkpoint sent ahead. After the step the gradients are summed over the
+  pipeline and each parameter is stepped by one rank only, its *owner* (the highest rank that computed
+  a gradient for it: the backward rank of its stage), with the user's optimizer; the other ranks hold
+  no gradient and no optimizer state for it. A barrier before every step lets the owners' updates land
+  before any forward reads them.
+
+Evaluation (``validation_step``, ``test_step``, ``predict_step``) runs the user's whole step on every
+pipeline rank (each holds or maps every parameter): exact, not pipelined.
+
+Refused, with what to change: memory plans, packing, elastic depth, ``plan="auto"``, explicit
+partitions, optimizer offload, data parallelism, devices other than the CPU, and for spipe any start
+method but ``"fork"``, several nodes and modules that build layers in ``configure_model``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_pipe.model import StageRunner, analyze_units, find_blocks
+from lightning_pipe.model._torch_compat import tree_flatten
+from lightning_pipe.model.metrics import MetricStates, metrics_inert
+from lightning_pipe.runtime import PointToPoint, collectives
+from lightning_pipe.runtime.executor import StepOutcome
+from lightning_pipe.runtime.helix import StepHelixStages, capture_block_call, split_stack
+from lightning_pipe.runtime.loss_weights import DeferredNormalization, raw_weight, upfront_weights
+from lightning_pipe.runtime.spipe import StepSPipeStages, check_shared_parameters
+from lightning_pipe.runtime.split_executor import SplitPlacementExecutor
+from lightning_pipe.runtime.split_step import LastStageRecorder, check_last_stage, run_split_step
+from lightning_pipe.schedules import Schedule, is_split_placement, split_program
+
+__all__ = ["SplitPlacement"]
+
+log = logging.getLogger(__name__)
+
+# strategy argument -> its default; any other value is refused with split placement
+_UNSUPPORTED = {
+    "memory_budget": None, "recompute": None, "offload": False, "mlp_chunk_size": None, "optimizer_offload": False,
+    "ranks_per_device": 1, "packing": False, "elastic_depth": False, "plan": "static",
+}
+
+
+class SplitPlacement:
+    """The strategy's setup, step and gradient handling for a HelixPipe or SPipe schedule.
+
+    Args:
+        schedule: the resolved ``"helix"`` or ``"spipe"`` schedule.
+        arguments: the strategy's constructor arguments (checked for what split placement cannot do).
+
+    Raises:
+        ValueError: an argument split placement does not support, naming it.
+    """
+
+    def __init__(self, schedule: Schedule, arguments: dict[str, Any]) -> None:
+        self.schedule = schedule
+        self.kind = schedule.name
+        for name, default in _UNSUPPORTED.items():
+            if arguments.get(name, default) != default:
+                raise ValueError(
+                    f"`ElasticPipelineStrategy(schedule={self.kind!r})` does not support `{name}={arguments[name]!r}` "
+                    f"(split placement runs its own program; docs/schedules.md). Leave `{name}` at its default or use "
+                    "a schedule such as '1f1b'."
+                )
+        partition = arguments.get("partition", "balanced")
+        if partition not in ("balanced", "uniform"):
+            raise ValueError(
+                f"`ElasticPipelineStrategy(schedule={self.kind!r})` places blocks by its own rule; `partition={partition!r}` "
+                "cannot apply. Leave `partition` at its default."
+            )
+        if self.kind == "spipe" and arguments.get("start_method") != "fork":
+            raise ValueError(
+                "`ElasticPipelineStrategy(schedule='spipe')` keeps parameters in host shared memory that every rank maps, "
+                "set up before the ranks start: pass `start_method='fork'` (processes started another way would each "
+                f"hold their own copy), got `start_method={arguments.get('start_method')!r}`."
+            )
+        self.program = None
+        self.stages: Any = None
+        self.executor: SplitPlacementExecutor | None = None
+        self._owners: dict[int, int] | None = None
+
+    @staticmethod
+    def create(schedule: Schedule, arguments: dict[str, Any]) -> SplitPlacement | None:
+        """A :class:`SplitPlacement` for a split-placement ``schedule``, else None."""
+        return SplitPlacement(schedule, arguments) if is_split_placement(schedule) else None
+
+    # --- before the processes start and at setup ---------------------------------------------------
+
+    def validate_module(self, strategy: Any, module: Any) -> None:
+        """Check the module fits the program (called in the main process before any rank starts, and on every
+        rank at setup); for spipe, move its parameters to host shared memory (before the fork)."""
+        if strategy.layout.data_parallel_size > 1:
+            raise ValueError(
+                f"`schedule={self.kind!r}` does not support data parallelism yet: {strategy.world_size} processes with "
+                f"`pipeline_parallel_size={strategy.pipeline_parallel_size}`. Use as many devices as pipeline ranks."
+            )
+        if strategy.root_device.type != "cpu":
+            raise ValueError(f"`schedule={self.kind!r}` runs on the CPU only so far (got {strategy.root_device}); use "
+                             "`accelerator='cpu'` or another schedule.")
+        if self.kind == "spipe" and strategy.num_nodes > 1:
+            raise ValueError("`schedule='spipe'` shares parameters in one machine's memory: use one node.")
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if is_overridden("configure_model", module):
+            if self.kind == "spipe":
+                raise ValueError(
+                    "`schedule='spipe'` needs the module's parameters before the ranks start (they go to shared memory "
+                    "then): build the layers in `__init__`, not in `configure_model`."
+                )
+            return
+        stack = find_blocks(module, strategy._blocks)
+        split_program(self.schedule, strategy.pipeline_parallel_size, strategy.num_microbatches, len(stack.blocks))
+        if self.kind == "spipe":
+            module.share_memory()  # no-op for tensors already shared (at setup on the forked ranks)
+
+    def setup(self, strategy: Any) -> None:
+        """What ``ElasticPipelineStrategy._shard`` does for other schedules: program, stage runner, executor."""
+        module = strategy.lightning_module
+        stack = find_blocks(module, strategy._blocks)
+        num_blocks = len(stack.blocks)
+        program = split_program(self.schedule, strategy.pipeline_parallel_size, strategy.num_microbatches, num_blocks)
+        check_last_stage(program)
+        if self.kind == "spipe":
+            check_shared_parameters(module, strategy.groups.pipeline, strategy.layout.pipeline_rank)
+        strategy.unit_layout = analyze_units(module, stack)
+        # the plan's record (checkpoints, planners' merge): the strategy's default cut for the pipeline ranks
+        strategy.boundaries = tuple(strategy.default_boundaries(strategy.pipeline_parallel_size))
+        strategy.program, strategy.eval_program, strategy.spans = program, None, {}
+        strategy._trim_padding = False  # microbatches run uncut (exact; the trimming check needs the 1F1B runtime)
+        module.to(strategy.root_device)
+        strategy.runner = StageRunner(module, stack, device=strategy.root_device)
+        strategy.executor = None
+        strategy._shared = []
+        strategy.metric_states = MetricStates(module, strategy.groups.data_parallel)
+        self.program, self.stages, self._owners = program, None, None
+        self.p2p = PointToPoint(strategy.groups.pipeline, timeout=strategy._timeout)
+
+    def _prepare(self, strategy: Any, step_name: str, example: tuple) -> None:
+        """On the first training batch: the stages (helix: blocks cut at their attention, captured with the
+        arguments the step gives block 0) and the executor."""
+        module, runner = strategy.lightning_module, strategy.runner
+        with torch.random.fork_rng(devices=[]), metrics_inert(module):
+            if self.kind == "helix":
+                units = split_stack(module, runner.stack, step_name, example)
+                self.stages = StepHelixStages(runner, units, step_name, loss=_loss_of(step_name))
+            else:
+                args, kwargs = capture_block_call(module, runner.stack.blocks[0], step_name, example)
+                with torch.no_grad():
+                    output = runner.stack.blocks[0](*args, **kwargs)
+                count = sum(isinstance(t, Tensor) for t in tree_flatten(output)[0])
+                self.stages = StepSPipeStages(runner, self.program.num_stages, count, step_name, loss=_loss_of(step_name))
+        layout = strategy.layout
+        self.executor = SplitPlacementExecutor(
+            self.stages, self.p2p, layout.pipeline_ranks(), layout.pipeline_rank, strategy.root_device
+        )
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def run(self, strategy: Any, step_name: str, args: tuple, train: bool) -> tuple[Tensor | None, StepOutcome]:
+        """One step: the pipelined training step, or the whole evaluation step on this rank."""
+        module = strategy.lightning_module
+        if self.kind == "spipe" and strategy.pipeline_parallel_size > 1:  # the owners' last updates are in place
+            collectives.barrier(strategy.groups.pipeline, operation="the barrier before an SPipe step")
+        if not train:
+            output = getattr(module, step_name)(*args)
+            return None, StepOutcome(step_outputs={0: output})
+        batch, rest = args[0], args[1:]
+        split = strategy.split_batch(batch, train=True)
+        plan, microbatches = split.plan, split.microbatches
+        if plan.num_microbatches != strategy.num_microbatches:
+            raise ValueError(
+                f"A batch has {plan.num_microbatches} microbatches' worth of samples, fewer than `num_microbatches="
+                f"{strategy.num_microbatches}`, and schedule {self.kind!r} runs a fixed count. Use `drop_last=True` in "
+                "the dataloader, or a batch size that is a multiple of the microbatches."
+            )
+        steps = [(mb, *rest) for mb in microbatches]
+        if self.executor is None:
+            self._prepare(strategy, step_name, steps[0])
+        accumulate = module.trainer.accumulate_grad_batches
+        weights = upfront_weights(strategy.loss_weights, microbatches, plan.sizes)
+        deferred = None
+        if strategy.loss_weights == "auto":  # counted targets are known after each forward: normalise after the step
+            deferred = DeferredNormalization(list(module.parameters()))
+            deferred.begin()
+            sizes = plan.sizes
+            scales = [1.0 / accumulate] * len(steps)
+            recorder = LastStageRecorder(module, steps, lambda mb, record: raw_weight(record, sizes[mb]), _loss_of(step_name))
+        else:
+            scales = [w / accumulate for w in weights]
+            recorder = LastStageRecorder(module, steps, None, _loss_of(step_name))
+        self.stages.recorder = recorder
+        if strategy.metric_states and strategy._runs_last_stage():
+            strategy.metric_states.begin()
+        outcome = run_split_step(self.executor, self.program, steps, scales, recorder)
+        strategy.last_outcome = outcome
+        return strategy._share_outcome(outcome, plan, weights, True, deferred)
+
+    # --- after the step ------------------------------------------------------------------------------
+
+    def synchronize_gradients(self, strategy: Any, optimizer: Optimizer) -> None:
+        """Sum every gradient over the pipeline (each was computed on one rank, or two for a parameter used by
+        two stages); spipe: keep it only on the parameter's owner, which alone steps it."""
+        params = strategy._owned_parameters(optimizer)
+        group = strategy.groups.pipeline
+        if self.kind == "spipe":
+            owners = self._owners_of(params, strategy)
+        collectives.reduce_gradients(params, group, operation=f"the {self.kind} gradient sum over the pipeline")
+        if self.kind == "spipe":
+            inner = getattr(optimizer, "optimizer", optimizer)
+            me = strategy.layout.pipeline_rank
+            for param in params:
+                if owners.get(id(param), me) != me:
+                    param.grad = None
+                    inner.state.pop(param, None)  # state of another rank's parameter (a loaded checkpoint's)
+
+    def _owners_of(self, params: list[Tensor], strategy: Any) -> dict[int, int]:
+        """``id(parameter) -> pipeline rank`` stepping it: the highest rank that computed its gradient (the
+        same program every step: decided once, with the first step that computed each)."""
+        me = strategy.layout.pipeline_rank
+        known = self._owners or {}
+        flags = torch.tensor([float(me + 1) if p.grad is not None else 0.0 for p in params], dtype=torch.float64)
+        collectives.all_reduce_tensor(flags, "max", "the SPipe parameter owners", strategy.groups.pipeline)
+        owners = dict(known)
+        for param, flag in zip(params, flags.tolist()):
+            if flag > 0 and id(param) not in owners:
+                owners[id(param)] = int(flag) - 1
+        self._owners = owners
+        return owners
+
+    def global_norm(self, strategy: Any, grads: list[Tensor]) -> Tensor:
+        """The gradient norm for clipping: helix's gradients are whole on every rank after the sum; spipe's
+        are spread over their owners."""
+        squares = [g.double().pow(2).sum() for g in grads]
+        local = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+        if self.kind == "helix":
+            return local.sqrt()
+        return collectives.global_norm(local, strategy.groups.pipeline)
+
+    def refuse_plan(self) -> None:
+        """Plans from callbacks (partitions, families, memory plans) do not apply to split placement."""
+        raise ValueError(
+            f"`schedule={self.kind!r}` runs a fixed split-placement program; plans proposed by callbacks (partition, "
+            "schedule family, microbatches, memory plan) cannot apply to it. Remove the planning callbacks."
+        )
+
+
+def _loss_of(step_name: str):
+    def loss(output: Any) -> Tensor:
+        value = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(value, Tensor):
+            raise RuntimeError(
+                f"`{step_name}` returned {type(output).__name__}; with pipeline parallelism it must return the loss "
+                "tensor or a dict with a 'loss' key on every step."
+            )
+        return value
+
+    return loss

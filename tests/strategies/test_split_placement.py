@@ -1,0 +1,38 @@
+"""HelixPipe (``schedule="helix"``) and SPipe (``schedule="spipe"``) through ``Trainer``: an unchanged
+LightningModule trains on 2 gloo processes to the parameters of one device (float64, AdamW), with its
+``self.log`` calls replayed, token-averaged losses weighted, gradients clipped and accumulated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.gpt.model import GPT
+from lightning_pipe import ElasticPipelineStrategy
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, token_batches
+
+SPIPE = {"name": "spipe", "stages_per_rank": 1, "backward_split": 2}  # 2 ranks x 1 x 2 = 4 stages of one block
+
+
+def _gpt() -> GPT:
+    return GPT(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=16, learning_rate=0.01).double()
+
+
+def _strategy(schedule, **kwargs) -> ElasticPipelineStrategy:
+    return ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, schedule=schedule, start_method=START_METHOD, **kwargs
+    )
+
+
+@pytest.mark.parametrize("schedule", ["helix", SPIPE], ids=["helix", "spipe"])
+def test_gpt_trains_as_on_one_device(tmp_path, schedule):
+    """AdamW, global-norm clipping, two batches accumulated per step; the logged loss is one device's."""
+    batches = token_batches(4, 8, 12)
+    kwargs = dict(steps=2, gradient_clip_val=0.05, accumulate_grad_batches=2)
+    pipelined = fit(_gpt, batches, _strategy(schedule), devices=2, log_dir=tmp_path / "pipe", **kwargs)
+    reference = fit(_gpt, batches, log_dir=tmp_path / "one", **kwargs)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    assert not torch.equal(reference.lm_head.weight, _gpt().lm_head.weight)
+    got, want = logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "one", "train_loss")
+    assert len(got) == len(want) == 2  # logged once per optimizer step
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-10, rtol=0)
