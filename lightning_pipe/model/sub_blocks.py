@@ -200,12 +200,16 @@ def _tensors(module: nn.Module) -> set[tuple[str, torch.Tensor]]:
 
 
 def _dynamic_shapes(block: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Every dimension of every tensor input symbolic except the last (features, head size), keyed by
-    the names of ``block.forward``'s parameters (what ``torch.export`` expects with keyword arguments)."""
+    """Every dimension of every tensor input symbolic except the last of floating tensors (features, head
+    size), keyed by the names of ``block.forward``'s parameters (what ``torch.export`` expects with keyword
+    arguments). The last dimension of a mask (``[B, 1, T, T]``, boolean or additive) follows the sequence:
+    a floating tensor of 4 dimensions or more, or any non-floating one, keeps it symbolic too (``AUTO``:
+    fixed where the block's code fixes it)."""
 
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {d: torch.export.Dim.AUTO for d in range(max(value.dim() - 1, 0))} or None
+            last = value.dim() if (not value.is_floating_point() or value.dim() >= 4) else value.dim() - 1
+            return {d: torch.export.Dim.AUTO for d in range(max(last, 0))} or None
         return None
 
     bound = inspect.signature(block.forward).bind(*args, **kwargs)
