@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.gpt.model import GPT
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.hf_models import lm_batches
+from tests.helpers.loop import run
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged
 
 SPIPE = {"name": "spipe", "stages_per_rank": 1, "backward_split": 2}  # 2 ranks x 1 x 2 = 4 stages of one block
@@ -56,3 +58,17 @@ def test_transformers_llama_with_padding_trains_as_on_one_device(schedule):
     pipelined = fit(make, batches, _strategy(schedule), devices=2, steps=2)
     reference = fit(make, batches, steps=2)
     assert_same_parameters(pipelined, reference, atol=1e-7)
+
+
+@pytest.mark.parametrize(("writer", "reader"), [("helix", SPIPE), (SPIPE, "helix")], ids=["helix-to-spipe", "spipe-to-helix"])
+def test_sharded_checkpoint_resumes_exactly(tmp_path, writer, reader):
+    """A sharded checkpoint written at step 2 (helix: every rank the whole state; spipe: the module once,
+    each optimizer entry by its owner) resumes under the other family to one device's step 4."""
+    batches = lm_batches(2, 8, [12, 9], vocab=32, padding="variable")  # one epoch = two steps
+    saved = tmp_path / "saved"
+    run(_gpt, batches, _strategy(writer), devices=2, max_steps=2, callbacks=[ModelCheckpoint(saved, every_n_train_steps=2)])
+    path = saved / "epoch=0-step=2.ckpt"
+    assert path.is_dir()  # sharded (the default)
+    resumed, _, _ = run(_gpt, batches, _strategy(reader), devices=2, max_steps=4, ckpt_path=str(path))
+    reference, _, _ = run(_gpt, batches, max_steps=4)
+    assert_same_parameters(resumed, reference, atol=1e-10)
