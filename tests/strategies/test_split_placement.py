@@ -72,3 +72,28 @@ def test_sharded_checkpoint_resumes_exactly(tmp_path, writer, reader):
     resumed, _, _ = run(_gpt, batches, _strategy(reader), devices=2, max_steps=4, ckpt_path=str(path))
     reference, _, _ = run(_gpt, batches, max_steps=4)
     assert_same_parameters(resumed, reference, atol=1e-10)
+
+
+def test_what_split_placement_cannot_do_is_refused_before_training():
+    """Arguments at construction; the model's sizes and data parallelism in the main process, before any
+    rank starts."""
+    with pytest.raises(ValueError, match="start_method='fork'"):
+        ElasticPipelineStrategy(schedule="spipe")  # popen: each process would hold its own parameters
+    with pytest.raises(ValueError, match="does not support `recompute='full'`"):
+        ElasticPipelineStrategy(schedule="helix", recompute="full")
+    with pytest.raises(ValueError, match="places blocks by its own rule"):
+        ElasticPipelineStrategy(schedule="helix", partition=[1, 3])
+    with pytest.raises(ValueError, match="unknown \\['layers_per_rank'\\]"):
+        ElasticPipelineStrategy(schedule={"name": "helix", "layers_per_rank": 2})
+    cases = [
+        (dict(n_layer=3), 2, 4, "multiple of the pipeline ranks: 3 blocks on 2 ranks"),
+        (dict(n_layer=4), 2, 6, "`num_microbatches=6` is not a multiple"),
+        (dict(n_layer=4), 4, 4, "does not support data parallelism"),
+    ]
+    for model_options, devices, microbatches, message in cases:
+        options = dict(vocab_size=32, block_size=32, n_head=2, n_embd=16) | model_options
+        strategy = ElasticPipelineStrategy(
+            pipeline_parallel_size=2, num_microbatches=microbatches, schedule="helix", start_method=START_METHOD
+        )
+        with pytest.raises(ValueError, match=message):
+            fit(lambda: GPT(**options), lm_batches(1, 8, [5], vocab=32), strategy, devices=devices, steps=1)
