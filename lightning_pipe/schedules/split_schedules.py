@@ -15,13 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .families.helix import helix
+from .costs import ActionCosts
+from .families.helix import helix, helix_stage_costs
 from .families.spipe import spipe
 from .ir import Program
 from .registry import Schedule
 from .validate import validate
 
-__all__ = ["SPLIT_PLACEMENT_FAMILIES", "check_split_options", "is_split_placement", "split_program"]
+__all__ = [
+    "SPLIT_PLACEMENT_FAMILIES", "check_split_options", "is_split_placement", "split_program", "split_share_costs",
+]
 
 #: Family names whose programs place one stage on several ranks, with the options each accepts.
 SPLIT_PLACEMENT_FAMILIES: Mapping[str, tuple[str, ...]] = {
@@ -94,4 +97,28 @@ def split_program(schedule: Schedule, num_ranks: int, num_microbatches: int, num
     return validate(
         spipe(num_ranks, num_microbatches, stages_per_rank=stages_per_rank, backward_split=backward_split,
               decoupled=bool(options.get("decoupled", True)))
+    )
+
+
+def split_share_costs(program: Program, num_ranks: int, attention_share: float = 0.25) -> ActionCosts:
+    """Uniform costs of a split-placement program where one rank's share of the model takes 1 (forward) and
+    2 (backward), as ``gallery.uniform_share_costs`` charges the other families.
+
+    HelixPipe: a block's forward is split ``attention_share`` (attention core), the rest between
+    pre-attention (a third) and post-attention (two thirds); every backward is twice its forward.
+    SPipe: every finer stage's forward is its share, its backward (with its recomputation) twice that.
+    A ``RECOMPUTE`` costs its stage's forward (``ActionCosts`` default).
+    """
+    m, num_stages = program.num_microbatches, program.num_stages
+    if num_stages % 2 and program.name.startswith("helix"):
+        layers = (num_stages - 1) // 2
+        share = num_ranks / layers  # one block's part of a rank's share
+        rest = 1.0 - attention_share
+        forward = [share * t for t in helix_stage_costs(num_ranks, layers // num_ranks, rest / 3, attention_share, 2 * rest / 3)]
+    else:
+        forward = [num_ranks / num_stages] * num_stages
+    return ActionCosts(
+        forward=tuple(tuple(t for _ in range(m)) for t in forward),
+        backward=tuple(tuple(2 * t for _ in range(m)) for t in forward),
+        saved_bytes=tuple(tuple(t for _ in range(m)) for t in forward),
     )
