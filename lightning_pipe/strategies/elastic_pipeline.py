@@ -113,7 +113,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             data parallel. None: all processes form one pipeline.
         num_microbatches: microbatches per batch; None: twice the number of pipeline ranks.
         schedule: a family name (``"1f1b"``, ``"gpipe"``, ...), a DSL spec (text or dict), or a
-            :class:`~lightning_pipe.schedules.Schedule`.
+            :class:`~lightning_pipe.schedules.Schedule`. ``"helix"`` (HelixPipe) and ``"spipe"`` (SPipe,
+            with ``start_method="fork"``) run one stage on several ranks (``strategies/split_step.py``;
+            what they refuse: docs/schedules.md).
         blocks: dotted path of the repeated block stack (``"model.layers"``); None: auto-detect.
         partition: ``"uniform"`` (equal block counts), ``"balanced"`` (by parameter count), the
             number of blocks of each stage (``[3, 3, 2]``), or ``"auto"``: before the first step, the
