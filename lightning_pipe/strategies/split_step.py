@@ -44,6 +44,7 @@ from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.runtime import PointToPoint, collectives
 from lightning_pipe.runtime.executor import StepOutcome
 from lightning_pipe.runtime.helix import StepHelixStages, capture_block_call, split_stack
+from lightning_pipe.runtime.optimizer_offload import StageOptimizers
 from lightning_pipe.runtime.loss_weights import DeferredNormalization, raw_weight, upfront_weights
 from lightning_pipe.runtime.spipe import StepSPipeStages, check_shared_parameters
 from lightning_pipe.runtime.split_executor import SplitPlacementExecutor
@@ -59,6 +60,7 @@ _UNSUPPORTED = {
     "memory_budget": None, "recompute": None, "offload": False, "mlp_chunk_size": None, "optimizer_offload": False,
     "ranks_per_device": 1, "packing": False, "elastic_depth": False, "plan": "static",
 }
+_SUPPORTED_BY = {"spipe": {"optimizer_offload"}}  # SPipe's asynchronous per-stage host optimizers
 
 
 class SplitPlacement:
@@ -76,7 +78,7 @@ class SplitPlacement:
         self.schedule = schedule
         self.kind = schedule.name
         for name, default in _UNSUPPORTED.items():
-            if arguments.get(name, default) != default:
+            if name not in _SUPPORTED_BY.get(self.kind, ()) and arguments.get(name, default) != default:
                 raise ValueError(
                     f"`ElasticPipelineStrategy(schedule={self.kind!r})` does not support `{name}={arguments[name]!r}` "
                     f"(split placement runs its own program; docs/schedules.md). Leave `{name}` at its default or use "
@@ -98,6 +100,8 @@ class SplitPlacement:
         self.stages: Any = None
         self.executor: SplitPlacementExecutor | None = None
         self._owners: dict[int, int] | None = None
+        self.optimizer_offload = bool(arguments.get("optimizer_offload", False))
+        self.stage_optimizers: StageOptimizers | None = None
 
     @staticmethod
     def create(schedule: Schedule, arguments: dict[str, Any]) -> SplitPlacement | None:
@@ -199,7 +203,11 @@ class SplitPlacement:
         accumulate = module.trainer.accumulate_grad_batches
         weights = upfront_weights(strategy.loss_weights, microbatches, plan.sizes)
         deferred = None
-        if strategy.loss_weights == "auto":  # counted targets are known after each forward: normalise after the step
+        if self.optimizer_offload:  # the stage steps run during backward: weights must be known before it
+            self._start_stage_optimizers(strategy, len(steps))
+            scales = [w / accumulate for w in weights]
+            recorder = LastStageRecorder(module, steps, None, _loss_of(step_name))
+        elif strategy.loss_weights == "auto":  # counted targets are known after each forward: normalise after the step
             deferred = DeferredNormalization(list(module.parameters()))
             deferred.begin()
             sizes = plan.sizes
@@ -212,8 +220,62 @@ class SplitPlacement:
         if strategy.metric_states and strategy._runs_last_stage():
             strategy.metric_states.begin()
         outcome = run_split_step(self.executor, self.program, steps, scales, recorder)
+        if self.stage_optimizers is not None:  # wait for this rank's stage steps; results into the shared parameters
+            self.stage_optimizers.finish()
         strategy.last_outcome = outcome
         return strategy._share_outcome(outcome, plan, weights, True, deferred)
+
+    def _start_stage_optimizers(self, strategy: Any, num_microbatches: int) -> None:
+        """SPipe's per-stage host optimizers (``runtime/optimizer_offload.StageOptimizers``) for the stages whose
+        backward runs on this rank: each steps on a thread once its parameters' gradients are final."""
+        if self.stage_optimizers is None:
+            optimizer = self._single_optimizer(strategy)
+            stage_params = self._stage_parameters(strategy)
+            self.stage_optimizers = StageOptimizers(optimizer, stage_params)
+            loaded = strategy.memory.offloaded_optimizer_state(optimizer)  # a resumed run's entries, if any
+            if loaded is not None:
+                self.stage_optimizers.load_state_dict(loaded)
+            strategy.memory.stage_optimizers = self.stage_optimizers  # checkpoints read the host state there
+        self.stage_optimizers.start_step(num_microbatches)
+
+    def _single_optimizer(self, strategy: Any) -> Optimizer:
+        trainer = strategy.lightning_module.trainer
+        problems = []
+        if len(strategy.optimizers) != 1:
+            problems.append(f"{len(strategy.optimizers)} optimizers (one is supported)")
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (1 is supported)")
+        if trainer.gradient_clip_val:
+            problems.append(f"gradient_clip_val={trainer.gradient_clip_val} (clipping needs every stage's gradients first)")
+        if problems:
+            raise ValueError(f"`schedule='spipe'` with `optimizer_offload=True` does not support: {'; '.join(problems)}.")
+        optimizer = strategy.optimizers[0]
+        return getattr(optimizer, "optimizer", optimizer)
+
+    def _stage_parameters(self, strategy: Any) -> dict[int, list[Tensor]]:
+        """Per stage whose backward runs on this rank, its parameters (blocks, and pre / post units)."""
+        module, layout, program = strategy.lightning_module, strategy.unit_layout, self.program
+        params = dict(module.named_parameters())
+        per_stage = layout.num_blocks // program.num_stages
+        me = strategy.layout.pipeline_rank
+        result: dict[int, list[Tensor]] = {}
+        seen: dict[str, int] = {}
+        for stage in range(program.num_stages):
+            units = [1 + b for b in range(stage * per_stage, (stage + 1) * per_stage)]
+            units += [0] if stage == 0 else []
+            units += [layout.num_units - 1] if stage == program.num_stages - 1 else []
+            names = [n for u in units for n in layout.unit_names[u] if n in params]
+            owner = program.backward_rank(stage, 0)
+            for name in names:
+                if seen.setdefault(name, owner) != owner:
+                    raise ValueError(
+                        f"`schedule='spipe'` with `optimizer_offload=True`: parameter `{name}` is used by stages whose "
+                        f"backward runs on ranks {seen[name]} and {owner} (tied weights), so no single stage step sees "
+                        "its whole gradient. Untie it or turn `optimizer_offload` off."
+                    )
+            if owner == me:
+                result[stage] = [params[n] for n in names]
+        return result
 
     # --- after the step ------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from examples.gpt.model import GPT
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.hf_models import lm_batches
 from tests.helpers.loop import run
-from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, token_batches
 
 SPIPE = {"name": "spipe", "stages_per_rank": 1, "backward_split": 2}  # 2 ranks x 1 x 2 = 4 stages of one block
 
@@ -97,3 +97,12 @@ def test_what_split_placement_cannot_do_is_refused_before_training():
         )
         with pytest.raises(ValueError, match=message):
             fit(lambda: GPT(**options), lm_batches(1, 8, [5], vocab=32), strategy, devices=devices, steps=1)
+
+
+def test_spipe_with_its_asynchronous_stage_optimizers_trains_as_on_one_device():
+    """``optimizer_offload=True``: each stage's AdamW steps on a host thread of the rank of its backward as
+    soon as its gradients are final, while the backward goes on, and writes into the shared parameters."""
+    batches = token_batches(3, 8, 12)
+    pipelined = fit(_gpt, batches, _strategy(SPIPE, optimizer_offload=True), devices=2, steps=3)
+    reference = fit(_gpt, batches, steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
