@@ -92,6 +92,12 @@ class SubBlockUnits:
     carried_tensors: tuple[bool, ...] = ()
     layouts: dict[str, tuple[tuple[int, ...] | None, ...]] = field(default_factory=dict)
 
+    def tensor_names(self, unit: str) -> frozenset[str]:
+        """Names, relative to the block, of the parameters and buffers ``unit`` (``"pre"`` or ``"post"``)
+        reads: what a rank running only that unit must hold (HelixPipe's sharding by sub-block unit)."""
+        graph = getattr(self, unit).graph
+        return frozenset(str(node.target) for node in graph.nodes if node.op == "get_attr")
+
     def rebind(self, block: nn.Module) -> SubBlockUnits:
         """The same cut for another block of the stack (same class and parameter shapes): units that
         use ``block``'s own parameters, with no second capture.

@@ -60,6 +60,8 @@ class LastStageRecorder:
         loss_weight: given (microbatch index, loss record), the factor its loss gets before backward
             (token-averaged losses: the counted targets); None: none.
         loss: picks the loss from what the step returns.
+        train: False for an evaluation step (forwards only, without autograd): every run records, and
+            the step's output need not be a loss.
     """
 
     def __init__(
@@ -68,8 +70,10 @@ class LastStageRecorder:
         microbatches: Sequence[Any],
         loss_weight: Callable[[int, Any], Any] | None,
         loss: Callable[[Any], Tensor],
+        train: bool = True,
     ) -> None:
         self.module = module
+        self.train = train
         self.index = {id(mb): i for i, mb in enumerate(microbatches)}
         self.loss_weight = loss_weight
         self.loss = loss
@@ -77,6 +81,16 @@ class LastStageRecorder:
 
     def run(self, microbatch: Any, run_stage: Callable[[], StageResult]) -> list[Tensor]:
         """The last stage's outputs (its loss, weighted) for ``microbatch``; ``run_stage`` runs the step."""
+        if not self.train:
+            mb = self.index[id(microbatch)]
+            counter = LossCounter()
+            with counter:
+                result = run_stage()
+            outcome = self.outcome
+            outcome.step_outputs[mb], outcome.logs[mb] = result.step_output, result.logs
+            returned = result.step_output.get("loss") if isinstance(result.step_output, dict) else result.step_output
+            outcome.loss_records[mb] = counter.record(returned, [call.value for call in result.logs])
+            return [torch.zeros(())]
         if not torch.is_grad_enabled():  # the F of a recomputed pair: its RECOMPUTE records
             with metrics_inert(self.module):
                 result = run_stage()

@@ -31,6 +31,7 @@ method but ``"fork"``, several nodes and modules that build layers in ``configur
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -43,13 +44,14 @@ from lightning_pipe.model._torch_compat import tree_flatten
 from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.runtime import PointToPoint, collectives
 from lightning_pipe.runtime.executor import StepOutcome
-from lightning_pipe.runtime.helix import StepHelixStages, capture_block_call, split_stack
+from lightning_pipe.runtime.helix import StepHelixStages, capture_block_call, helix_holdings, split_stack
+from lightning_pipe.runtime.migration import migrate
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers
 from lightning_pipe.runtime.loss_weights import DeferredNormalization, raw_weight, upfront_weights
 from lightning_pipe.runtime.spipe import StepSPipeStages, check_shared_parameters
 from lightning_pipe.runtime.split_executor import SplitPlacementExecutor
 from lightning_pipe.runtime.split_step import LastStageRecorder, check_last_stage, run_split_step
-from lightning_pipe.schedules import Schedule, is_split_placement, split_program
+from lightning_pipe.schedules import ActionType, Schedule, is_split_placement, split_program
 
 __all__ = ["SplitPlacement"]
 
@@ -101,6 +103,8 @@ class SplitPlacement:
         self.executor: SplitPlacementExecutor | None = None
         self._owners: dict[int, int] | None = None
         self.optimizer_offload = bool(arguments.get("optimizer_offload", False))
+        self.sharded = False  # helix: parameters sharded by sub-block unit (after the first training batch)
+        self.forward_program = None
         self.stage_optimizers: StageOptimizers | None = None
 
     @staticmethod
@@ -166,17 +170,39 @@ class SplitPlacement:
         with torch.random.fork_rng(devices=[]), metrics_inert(module):
             if self.kind == "helix":
                 units = split_stack(module, runner.stack, step_name, example)
-                self.stages = StepHelixStages(runner, units, step_name, loss=_loss_of(step_name))
             else:
                 args, kwargs = capture_block_call(module, runner.stack.blocks[0], step_name, example)
                 with torch.no_grad():
                     output = runner.stack.blocks[0](*args, **kwargs)
                 count = sum(isinstance(t, Tensor) for t in tree_flatten(output)[0])
                 self.stages = StepSPipeStages(runner, self.program.num_stages, count, step_name, loss=_loss_of(step_name))
+        if self.kind == "helix":
+            units = self._shard(strategy, units)
+            self.stages = StepHelixStages(runner, units, step_name, loss=_loss_of(step_name))
         layout = strategy.layout
         self.executor = SplitPlacementExecutor(
             self.stages, self.p2p, layout.pipeline_ranks(), layout.pipeline_rank, strategy.root_device
         )
+
+    def _shard(self, strategy: Any, units: list) -> list:
+        """HelixPipe's parameter layout: each rank keeps the parameters of the sub-block units it runs
+        (``runtime/helix.helix_holdings``), the others become meta in the module and the optimizers (as a
+        migration drops what a rank no longer holds). The units are rebound to the sharded blocks. A
+        parameter the units would need on two ranks (or on none) keeps the module whole on every rank."""
+        module, runner, layout = strategy.lightning_module, strategy.runner, strategy.unit_layout
+        p = strategy.pipeline_parallel_size
+        holdings = helix_holdings(module, runner.stack, units, layout.unit_names[0], layout.unit_names[-1], p)
+        if holdings is None or p == 1:
+            log.info("rank %d: helix keeps the whole module on every rank (a parameter is used by units of two "
+                     "ranks, or by none)", strategy.global_rank)
+            return units
+        buffers = {name for name, _ in module.named_buffers(remove_duplicate=False)}
+        me = strategy.layout.pipeline_rank
+        migrate(module, [], holdings[me] | buffers, me, strategy.layout.pipeline_ranks(), strategy.groups.pipeline,
+                strategy.optimizers, strategy.root_device)
+        runner.parameters_changed()
+        self.sharded = True
+        return [units[0].rebind(block) for block in runner.stack.blocks]
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -185,7 +211,9 @@ class SplitPlacement:
         module = strategy.lightning_module
         if self.kind == "spipe" and strategy.pipeline_parallel_size > 1:  # the owners' last updates are in place
             collectives.barrier(strategy.groups.pipeline, operation="the barrier before an SPipe step")
-        if not train:
+        if not train and self.sharded:
+            return self._run_forward_only(strategy, step_name, args)
+        if not train:  # every parameter is here (replicated, shared, or not yet sharded): the whole step
             output = getattr(module, step_name)(*args)
             return None, StepOutcome(step_outputs={0: output})
         batch, rest = args[0], args[1:]
@@ -216,7 +244,7 @@ class SplitPlacement:
         else:
             scales = [w / accumulate for w in weights]
             recorder = LastStageRecorder(module, steps, None, _loss_of(step_name))
-        self.stages.recorder = recorder
+        self.stages.recorder, self.stages.step_name = recorder, step_name
         if strategy.metric_states and strategy._runs_last_stage():
             strategy.metric_states.begin()
         outcome = run_split_step(self.executor, self.program, steps, scales, recorder)
@@ -224,6 +252,31 @@ class SplitPlacement:
             self.stage_optimizers.finish()
         strategy.last_outcome = outcome
         return strategy._share_outcome(outcome, plan, weights, True, deferred)
+
+    def _run_forward_only(self, strategy: Any, step_name: str, args: tuple) -> tuple[None, StepOutcome]:
+        """An evaluation step of a sharded helix module: the program's forwards only."""
+        module = strategy.lightning_module
+        batch, rest = args[0], args[1:]
+        split = strategy.split_batch(batch, train=False)
+        plan, microbatches = split.plan, split.microbatches
+        if plan.num_microbatches != self.program.num_microbatches:
+            raise ValueError(
+                f"An evaluation batch splits into {plan.num_microbatches} microbatches, and schedule 'helix' runs "
+                f"{self.program.num_microbatches}: use evaluation batches of at least `num_microbatches` samples "
+                "(`drop_last=True`)."
+            )
+        if self.forward_program is None:
+            kept = (ActionType.FORWARD, ActionType.SEND_F, ActionType.RECV_F)
+            actions = tuple(tuple(a for a in row if a.type in kept) for row in self.program.actions)
+            self.forward_program = dataclasses.replace(self.program, name=f"{self.program.name} (forward)", actions=actions)
+        steps = [(mb, *rest) for mb in microbatches]
+        recorder = LastStageRecorder(module, steps, None, _loss_of(step_name), train=False)
+        self.stages.recorder, self.stages.step_name = recorder, step_name
+        if strategy.metric_states and strategy._runs_last_stage():
+            strategy.metric_states.begin()
+        outcome = run_split_step(self.executor, self.forward_program, steps, [1.0] * len(steps), recorder)
+        strategy.last_outcome = outcome
+        return strategy._share_outcome(outcome, plan, list(plan.weights), False, None)
 
     def _start_stage_optimizers(self, strategy: Any, num_microbatches: int) -> None:
         """SPipe's per-stage host optimizers (``runtime/optimizer_offload.StageOptimizers``) for the stages whose
@@ -284,6 +337,8 @@ class SplitPlacement:
         two stages); spipe: keep it only on the parameter's owner, which alone steps it."""
         params = strategy._owned_parameters(optimizer)
         group = strategy.groups.pipeline
+        if self.sharded:  # every parameter lives on the one rank whose units use it: its gradient is whole there
+            return
         if self.kind == "spipe":
             owners = self._owners_of(params, strategy)
         collectives.reduce_gradients(params, group, operation=f"the {self.kind} gradient sum over the pipeline")
@@ -314,7 +369,7 @@ class SplitPlacement:
         are spread over their owners."""
         squares = [g.double().pow(2).sum() for g in grads]
         local = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=strategy.root_device)
-        if self.kind == "helix":
+        if self.kind == "helix" and not self.sharded:
             return local.sqrt()
         return collectives.global_norm(local, strategy.groups.pipeline)
 

@@ -4,14 +4,16 @@ LightningModule trains on 2 gloo processes to the parameters of one device (floa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from examples.gpt.model import GPT
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.hf_models import lm_batches
-from tests.helpers.loop import run
+from tests.helpers.loop import rank_files, run
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, token_batches
 
 SPIPE = {"name": "spipe", "stages_per_rank": 1, "backward_split": 2}  # 2 ranks x 1 x 2 = 4 stages of one block
@@ -27,19 +29,45 @@ def _strategy(schedule, **kwargs) -> ElasticPipelineStrategy:
     )
 
 
+class _RealParameters(Callback):
+    """Writes, in every process, the names of the parameters it holds (not on the meta device)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        names = [n for n, p in pl_module.named_parameters() if not p.is_meta]
+        (self.directory / f"rank{trainer.global_rank}.txt").write_text("\n".join(names))
+
+
 @pytest.mark.parametrize("schedule", ["helix", SPIPE], ids=["helix", "spipe"])
 def test_gpt_trains_as_on_one_device(tmp_path, schedule):
     """AdamW, global-norm clipping, two batches accumulated per step, a token-mean loss over padded batches
-    (weighted by counted targets); the logged loss is one device's."""
+    (weighted by counted targets), a validation run; the logged losses are one device's. helix keeps on
+    each rank only the parameters of its sub-block units; spipe every parameter, in shared memory."""
     batches = lm_batches(4, 8, [12, 9], vocab=32, padding="variable")  # microbatches count different targets
-    kwargs = dict(steps=2, gradient_clip_val=0.05, accumulate_grad_batches=2)
-    pipelined = fit(_gpt, batches, _strategy(schedule), devices=2, log_dir=tmp_path / "pipe", **kwargs)
+    val = lm_batches(1, 8, [7], vocab=32, padding="variable", seed=5)
+    kwargs = dict(steps=2, gradient_clip_val=0.05, accumulate_grad_batches=2, val_batches=val, val_check_interval=2)
+    (tmp_path / "held").mkdir()
+    pipelined = fit(
+        _gpt, batches, _strategy(schedule), devices=2, log_dir=tmp_path / "pipe",
+        callbacks=[_RealParameters(tmp_path / "held")], **kwargs,
+    )
     reference = fit(_gpt, batches, log_dir=tmp_path / "one", **kwargs)
     assert_same_parameters(pipelined, reference, atol=1e-10)
     assert not torch.equal(reference.lm_head.weight, _gpt().lm_head.weight)
-    got, want = logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "one", "train_loss")
-    assert len(got) == len(want) == 2  # logged once per optimizer step
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-10, rtol=0)
+    for name in ("train_loss", "val_loss"):
+        got, want = logged(tmp_path / "pipe", name), logged(tmp_path / "one", name)
+        assert len(got) == len(want) >= 1
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-10, rtol=0)
+    held = [set(text.split()) for _, text in sorted(rank_files(tmp_path / "held").items())]
+    everything = {n for n, _ in reference.named_parameters()}
+    if schedule == "helix":  # block l's pre-attention on rank l mod 2, its post-attention on the next rank
+        assert held[0] | held[1] == everything and not held[0] & held[1]
+        assert {"wte.weight", "lm_head.weight", "blocks.0.attn.c_attn.weight", "blocks.1.mlp.c_fc.weight"} <= held[0]
+        assert {"blocks.1.attn.c_attn.weight", "blocks.0.attn.c_proj.weight", "blocks.0.mlp.c_fc.weight"} <= held[1]
+    else:
+        assert held == [everything, everything]
 
 
 @pytest.mark.parametrize("schedule", ["helix", SPIPE], ids=["helix", "spipe"])
