@@ -6,12 +6,15 @@ hands its setup, step, gradient synchronization and gradient norm to :class:`Spl
 each); everything else (the microbatch plan, loss weights, log replay, metrics, clipping, accumulation,
 checkpoints) is the strategy's own:
 
-* **helix**: every pipeline rank keeps the *whole* module (parameters replicated, not sharded: the
-  memory per rank is not divided, see docs/schedules.md). Each block is cut at its attention
-  (``model/sub_blocks.py``, captured on the first training batch); the program's stages run the user's
-  step through the stage runner (``runtime/helix.StepHelixStages``). A parameter's gradient is computed
-  on the rank of its unit's backward; after the step the gradients are summed over the pipeline and
-  every rank steps the same optimizer on the same values, so the replicas stay equal.
+* **helix**: each block is cut at its attention (``model/sub_blocks.py``) on the first training batch,
+  with the arguments the step gives block 0; the program's stages run the user's step through the
+  stage runner (``runtime/helix.StepHelixStages``). Then each rank keeps only the parameters its units
+  read (``runtime/helix.helix_holdings``: pre-attention of block ``l`` on rank ``l mod p``, its
+  post-attention on the next rank, embedding and head side on rank 0); the rest become meta in the
+  module and the optimizers, as a migration drops what a rank no longer holds. Every gradient is then
+  whole on its one holder: no gradient sum, the clipping norm is summed over the pipeline. A model
+  whose units would need one parameter on two ranks keeps the whole module on every rank, with the
+  gradients summed over the pipeline after the step (every rank steps the same values).
 * **spipe**: parameters live in host shared memory, mapped by every process of the machine
   (``share_memory`` in the main process before the ranks fork). Stages are ranges of whole blocks
   (``runtime/spipe.StepSPipeStages``); the backward of a stage runs on another rank than its forward,
@@ -21,12 +24,16 @@ checkpoints) is the strategy's own:
   no gradient and no optimizer state for it. A barrier before every step lets the owners' updates land
   before any forward reads them.
 
-Evaluation (``validation_step``, ``test_step``, ``predict_step``) runs the user's whole step on every
-pipeline rank (each holds or maps every parameter): exact, not pipelined.
+Evaluation (``validation_step``, ``test_step``, ``predict_step``) of a sharded helix module runs the
+program's forwards (``F`` and their sends) through the pipeline, the last stage's logs replayed as in
+training; otherwise (spipe, a helix module before its first training batch) every pipeline rank runs
+the user's whole step (each holds or maps every parameter): exact, not pipelined.
 
 Refused, with what to change: memory plans, packing, elastic depth, ``plan="auto"``, explicit
-partitions, optimizer offload, data parallelism, devices other than the CPU, and for spipe any start
-method but ``"fork"``, several nodes and modules that build layers in ``configure_model``.
+partitions, data parallelism, devices other than the CPU, optimizer offload for helix, and for spipe
+any start method but ``"fork"``, several nodes and modules that build layers in ``configure_model``.
+SPipe's asynchronous per-stage host optimizers (``optimizer_offload=True``) run on the ranks of the
+stages' backwards (one optimizer, no clipping or accumulation, no weights tied across those ranks).
 """
 
 from __future__ import annotations
