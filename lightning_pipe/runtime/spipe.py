@@ -153,7 +153,7 @@ class StepSPipeStages:
         return [] if stage == 0 else [True] * self.num_outputs
 
 
-def check_shared_parameters(module: nn.Module, group: dist.ProcessGroup, rank: int) -> None:
+def check_shared_parameters(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
     """Check that the ranks of ``group`` map the same storage for ``module``'s first parameter (a
     collective): rank 0 writes a different value into it, the others must see it, rank 0 puts the old
     value back. Processes that were not forked after ``share_parameters`` each hold their own copy,

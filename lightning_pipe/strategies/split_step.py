@@ -29,8 +29,13 @@ program's forwards (``F`` and their sends) through the pipeline, the last stage'
 training; otherwise (spipe, a helix module before its first training batch) every pipeline rank runs
 the user's whole step (each holds or maps every parameter): exact, not pipelined.
 
+Data parallelism: each replica's pipeline runs the program; after the pipeline's sum the gradients are
+averaged over the replicas (spipe: every process of the machine maps the same parameters, and only
+the owner in replica 0 steps each one).
+
 Refused, with what to change: memory plans, packing, elastic depth, ``plan="auto"``, explicit
-partitions, data parallelism, devices other than the CPU, optimizer offload for helix, and for spipe
+partitions, devices other than the CPU, optimizer offload for helix (and for spipe with data
+parallelism), and for spipe
 any start method but ``"fork"``, several nodes and modules that build layers in ``configure_model``.
 SPipe's asynchronous per-stage host optimizers (``optimizer_offload=True``) run on the ranks of the
 stages' backwards (one optimizer, no clipping or accumulation, no weights tied across those ranks).
@@ -124,10 +129,12 @@ class SplitPlacement:
     def validate_module(self, strategy: Any, module: Any) -> None:
         """Check the module fits the program (called in the main process before any rank starts, and on every
         rank at setup); for spipe, move its parameters to host shared memory (before the fork)."""
-        if strategy.layout.data_parallel_size > 1:
+        if strategy.layout.data_parallel_size > 1 and self.optimizer_offload:
             raise ValueError(
-                f"`schedule={self.kind!r}` does not support data parallelism yet: {strategy.world_size} processes with "
-                f"`pipeline_parallel_size={strategy.pipeline_parallel_size}`. Use as many devices as pipeline ranks."
+                "`schedule='spipe'` with `optimizer_offload=True` does not support data parallelism (the stage steps run "
+                f"before the replicas' gradients are averaged): {strategy.world_size} processes with "
+                f"`pipeline_parallel_size={strategy.pipeline_parallel_size}`. Turn `optimizer_offload` off or use as "
+                "many devices as pipeline ranks."
             )
         if strategy.root_device.type != "cpu":
             raise ValueError(f"`schedule={self.kind!r}` runs on the CPU only so far (got {strategy.root_device}); use "
@@ -155,8 +162,8 @@ class SplitPlacement:
         num_blocks = len(stack.blocks)
         program = split_program(self.schedule, strategy.pipeline_parallel_size, strategy.num_microbatches, num_blocks)
         check_last_stage(program)
-        if self.kind == "spipe":
-            check_shared_parameters(module, strategy.groups.pipeline, strategy.layout.pipeline_rank)
+        if self.kind == "spipe":  # every process of the machine (all replicas) maps the same parameters
+            check_shared_parameters(module, None, strategy.global_rank)
         strategy.unit_layout = analyze_units(module, stack)
         # the plan's record (checkpoints, planners' merge): the strategy's default cut for the pipeline ranks
         strategy.boundaries = tuple(strategy.default_boundaries(strategy.pipeline_parallel_size))
@@ -216,8 +223,8 @@ class SplitPlacement:
     def run(self, strategy: Any, step_name: str, args: tuple, train: bool) -> tuple[Tensor | None, StepOutcome]:
         """One step: the pipelined training step, or the whole evaluation step on this rank."""
         module = strategy.lightning_module
-        if self.kind == "spipe" and strategy.pipeline_parallel_size > 1:  # the owners' last updates are in place
-            collectives.barrier(strategy.groups.pipeline, operation="the barrier before an SPipe step")
+        if self.kind == "spipe" and strategy.world_size > 1:  # the owners' last updates are in place
+            collectives.barrier(operation="the barrier before an SPipe step")
         if not train and self.sharded:
             return self._run_forward_only(strategy, step_name, args)
         if not train:  # every parameter is here (replicated, shared, or not yet sharded): the whole step
@@ -343,19 +350,22 @@ class SplitPlacement:
         """Sum every gradient over the pipeline (each was computed on one rank, or two for a parameter used by
         two stages); spipe: keep it only on the parameter's owner, which alone steps it."""
         params = strategy._owned_parameters(optimizer)
-        group = strategy.groups.pipeline
-        if self.sharded:  # every parameter lives on the one rank whose units use it: its gradient is whole there
-            return
+        group, layout = strategy.groups.pipeline, strategy.layout
         if self.kind == "spipe":
             owners = self._owners_of(params, strategy)
-        collectives.reduce_gradients(params, group, operation=f"the {self.kind} gradient sum over the pipeline")
-        if self.kind == "spipe":
+        if not self.sharded:  # sharded helix: every parameter lives on the one rank whose units use it
+            collectives.reduce_gradients(params, group, operation=f"the {self.kind} gradient sum over the pipeline")
+        collectives.average_gradients(  # each replica's pipeline ranks hold the same parameters, in one order
+            params, strategy.groups.data_parallel, layout.data_parallel_size,
+            operation=f"the {self.kind} gradient average over data-parallel replicas",
+        )
+        if self.kind == "spipe":  # one process steps each shared parameter: its owner in replica 0
             inner = getattr(optimizer, "optimizer", optimizer)
-            me = strategy.layout.pipeline_rank
+            me = layout.pipeline_rank
             for param in params:
-                if owners.get(id(param), me) != me:
+                if owners.get(id(param), me) != me or layout.data_parallel_rank != 0:
                     param.grad = None
-                    inner.state.pop(param, None)  # state of another rank's parameter (a loaded checkpoint's)
+                    inner.state.pop(param, None)  # state of another process's parameter (a loaded checkpoint's)
 
     def _owners_of(self, params: list[Tensor], strategy: Any) -> dict[int, int]:
         """``id(parameter) -> pipeline rank`` stepping it: the highest rank that computed its gradient (the

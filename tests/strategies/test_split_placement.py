@@ -14,7 +14,7 @@ from examples.gpt.model import GPT
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.hf_models import lm_batches
 from tests.helpers.loop import rank_files, run
-from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, token_batches
+from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
 
 SPIPE = {"name": "spipe", "stages_per_rank": 1, "backward_split": 2}  # 2 ranks x 1 x 2 = 4 stages of one block
 
@@ -114,14 +114,14 @@ def test_what_split_placement_cannot_do_is_refused_before_training():
     with pytest.raises(ValueError, match="unknown \\['layers_per_rank'\\]"):
         ElasticPipelineStrategy(schedule={"name": "helix", "layers_per_rank": 2})
     cases = [
-        (dict(n_layer=3), 2, 4, "multiple of the pipeline ranks: 3 blocks on 2 ranks"),
-        (dict(n_layer=4), 2, 6, "`num_microbatches=6` is not a multiple"),
-        (dict(n_layer=4), 4, 4, "does not support data parallelism"),
+        (dict(n_layer=3), 2, dict(schedule="helix"), "multiple of the pipeline ranks: 3 blocks on 2 ranks"),
+        (dict(n_layer=4), 2, dict(schedule="helix", num_microbatches=6), "`num_microbatches=6` is not a multiple"),
+        (dict(n_layer=4), 4, dict(schedule=SPIPE, optimizer_offload=True), "does not support data parallelism"),
     ]
-    for model_options, devices, microbatches, message in cases:
+    for model_options, devices, strategy_options, message in cases:
         options = dict(vocab_size=32, block_size=32, n_head=2, n_embd=16) | model_options
         strategy = ElasticPipelineStrategy(
-            pipeline_parallel_size=2, num_microbatches=microbatches, schedule="helix", start_method=START_METHOD
+            **{"pipeline_parallel_size": 2, "num_microbatches": 4, "start_method": START_METHOD, **strategy_options}
         )
         with pytest.raises(ValueError, match=message):
             fit(lambda: GPT(**options), lm_batches(1, 8, [5], vocab=32), strategy, devices=devices, steps=1)
@@ -133,4 +133,14 @@ def test_spipe_with_its_asynchronous_stage_optimizers_trains_as_on_one_device():
     batches = token_batches(3, 8, 12)
     pipelined = fit(_gpt, batches, _strategy(SPIPE, optimizer_offload=True), devices=2, steps=3)
     reference = fit(_gpt, batches, steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+
+
+@pytest.mark.parametrize("schedule", ["helix", SPIPE], ids=["helix", "spipe"])
+def test_two_replicas_of_two_ranks_train_as_on_one_device(schedule):
+    """4 processes, pp=2 x dp=2: each replica's pipeline runs the program, gradients are averaged over the
+    replicas after the pipeline's sum (spipe: one process of the machine steps each shared parameter)."""
+    batches = token_batches(4, 4, 10)
+    pipelined = fit(_gpt, batches, _strategy(schedule), devices=4, steps=2)
+    reference = fit(_gpt, reference_batches(batches, 2), steps=2)
     assert_same_parameters(pipelined, reference, atol=1e-10)
