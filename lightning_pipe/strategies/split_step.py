@@ -74,7 +74,10 @@ _UNSUPPORTED = {
     "memory_budget": None, "recompute": None, "offload": False, "mlp_chunk_size": None, "optimizer_offload": False,
     "ranks_per_device": 1, "packing": False, "elastic_depth": False, "plan": "static",
 }
-_SUPPORTED_BY = {"spipe": {"optimizer_offload"}}  # SPipe's asynchronous per-stage host optimizers
+_SUPPORTED_BY = {"spipe": {"optimizer_offload"}}
+# lightning_pipe.callbacks that plan or measure through the strategy's cost and memory models (by name: the
+# strategies layer does not import callbacks)
+_PLANNERS = frozenset({"ElasticRepartition", "ElasticDepth", "MemoryPlanner", "ScheduleSwitch", "AutoPlanner", "PipelineProfiler"})  # SPipe's asynchronous per-stage host optimizers
 
 
 class SplitPlacement:
@@ -139,6 +142,14 @@ class SplitPlacement:
         if strategy.root_device.type != "cpu":
             raise ValueError(f"`schedule={self.kind!r}` runs on the CPU only so far (got {strategy.root_device}); use "
                              "`accelerator='cpu'` or another schedule.")
+        trainer = getattr(module, "_trainer", None)
+        planners = [type(c).__name__ for c in getattr(trainer, "callbacks", None) or [] if type(c).__name__ in _PLANNERS]
+        if planners:
+            raise ValueError(
+                f"`schedule={self.kind!r}` runs a fixed split-placement program, which the planning callbacks "
+                f"{planners} cannot change (nor price: their cost models know stages placed whole on one rank). "
+                "Remove them, or use a schedule such as '1f1b'."
+            )
         if self.kind == "spipe" and strategy.num_nodes > 1:
             raise ValueError("`schedule='spipe'` shares parameters in one machine's memory: use one node.")
         from lightning.pytorch.utilities.model_helpers import is_overridden

@@ -125,6 +125,11 @@ def test_what_split_placement_cannot_do_is_refused_before_training():
         )
         with pytest.raises(ValueError, match=message):
             fit(lambda: GPT(**options), lm_batches(1, 8, [5], vocab=32), strategy, devices=devices, steps=1)
+    from lightning_pipe.callbacks import ElasticRepartition
+
+    # raised at setup on every rank (the callbacks are known there), before any step
+    with pytest.raises(Exception, match="planning callbacks \\['ElasticRepartition'\\] cannot change"):
+        fit(_gpt, lm_batches(1, 8, [5], vocab=32), _strategy("helix"), devices=2, steps=1, callbacks=[ElasticRepartition()])
 
 
 def test_spipe_with_its_asynchronous_stage_optimizers_trains_as_on_one_device():
