@@ -74,10 +74,12 @@ _UNSUPPORTED = {
     "memory_budget": None, "recompute": None, "offload": False, "mlp_chunk_size": None, "optimizer_offload": False,
     "ranks_per_device": 1, "packing": False, "elastic_depth": False, "plan": "static",
 }
-_SUPPORTED_BY = {"spipe": {"optimizer_offload"}}
+_SUPPORTED_BY = {"spipe": {"optimizer_offload"}}  # SPipe's asynchronous per-stage host optimizers
 # lightning_pipe.callbacks that plan or measure through the strategy's cost and memory models (by name: the
 # strategies layer does not import callbacks)
-_PLANNERS = frozenset({"ElasticRepartition", "ElasticDepth", "MemoryPlanner", "ScheduleSwitch", "AutoPlanner", "PipelineProfiler"})  # SPipe's asynchronous per-stage host optimizers
+_PLANNERS = frozenset(
+    {"ElasticRepartition", "ElasticDepth", "MemoryPlanner", "ScheduleSwitch", "AutoPlanner", "PipelineProfiler"}
+)
 
 
 class SplitPlacement:
@@ -131,7 +133,8 @@ class SplitPlacement:
 
     def validate_module(self, strategy: Any, module: Any) -> None:
         """Check the module fits the program (called in the main process before any rank starts, and on every
-        rank at setup); for spipe, move its parameters to host shared memory (before the fork)."""
+        rank at setup, where the trainer's callbacks are known); for spipe, move its parameters to host shared
+        memory (before the fork)."""
         if strategy.layout.data_parallel_size > 1 and self.optimizer_offload:
             raise ValueError(
                 "`schedule='spipe'` with `optimizer_offload=True` does not support data parallelism (the stage steps run "
