@@ -149,3 +149,22 @@ def test_two_replicas_of_two_ranks_train_as_on_one_device(schedule):
     pipelined = fit(_gpt, batches, _strategy(schedule), devices=4, steps=2)
     reference = fit(_gpt, reference_batches(batches, 2), steps=2)
     assert_same_parameters(pipelined, reference, atol=1e-10)
+
+
+def test_helix_keeps_the_module_whole_where_a_parameter_would_be_needed_on_two_ranks(monkeypatch, tmp_path):
+    """The fallback of a model whose units share a parameter across ranks (forced here: the ranks fork from
+    this process): every rank keeps every parameter, gradients are summed over the pipeline, clipping uses
+    the whole norm."""
+    from lightning_pipe.strategies import split_step
+
+    monkeypatch.setattr(split_step, "helix_holdings", lambda *args: None)
+    batches = token_batches(2, 8, 12)
+    (tmp_path / "held").mkdir()
+    pipelined = fit(
+        _gpt, batches, _strategy("helix"), devices=2, steps=2, gradient_clip_val=0.05,
+        callbacks=[_RealParameters(tmp_path / "held")],
+    )
+    reference = fit(_gpt, batches, steps=2, gradient_clip_val=0.05)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    everything = {n for n, _ in reference.named_parameters()}
+    assert [set(text.split()) for _, text in sorted(rank_files(tmp_path / "held").items())] == [everything] * 2
