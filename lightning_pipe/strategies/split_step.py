@@ -15,6 +15,7 @@ checkpoints) is the strategy's own:
   whole on its one holder: no gradient sum, the clipping norm is summed over the pipeline. A model
   whose units would need one parameter on two ranks keeps the whole module on every rank, with the
   gradients summed over the pipeline after the step (every rank steps the same values).
+  ``mlp_chunk_size`` runs each post-attention unit's MLP in sequence chunks (``SubBlockUnits.chunk_mlp``).
 * **spipe**: parameters live in host shared memory, mapped by every process of the machine
   (``share_memory`` in the main process before the ranks fork). Stages are ranges of whole blocks
   (``runtime/spipe.StepSPipeStages``); the backward of a stage runs on another rank than its forward,
@@ -33,7 +34,7 @@ Data parallelism: each replica's pipeline runs the program; after the pipeline's
 averaged over the replicas (spipe: every process of the machine maps the same parameters, and only
 the owner in replica 0 steps each one).
 
-Refused, with what to change: memory plans, packing, elastic depth, ``plan="auto"``, explicit
+Refused, with what to change: memory plans (``mlp_chunk_size`` too for spipe), packing, elastic depth, ``plan="auto"``, explicit
 partitions, devices other than the CPU, optimizer offload for helix (and for spipe with data
 parallelism), and for spipe
 any start method but ``"fork"``, several nodes and modules that build layers in ``configure_model``.
@@ -74,7 +75,8 @@ _UNSUPPORTED = {
     "memory_budget": None, "recompute": None, "offload": False, "mlp_chunk_size": None, "optimizer_offload": False,
     "ranks_per_device": 1, "packing": False, "elastic_depth": False, "plan": "static",
 }
-_SUPPORTED_BY = {"spipe": {"optimizer_offload"}}  # SPipe's asynchronous per-stage host optimizers
+# SPipe's asynchronous per-stage host optimizers; HelixPipe's chunked MLP
+_SUPPORTED_BY = {"spipe": {"optimizer_offload"}, "helix": {"mlp_chunk_size"}}
 # lightning_pipe.callbacks that plan or measure through the strategy's cost and memory models (by name: the
 # strategies layer does not import callbacks)
 _PLANNERS = frozenset(
@@ -120,6 +122,7 @@ class SplitPlacement:
         self.executor: SplitPlacementExecutor | None = None
         self._owners: dict[int, int] | None = None
         self.optimizer_offload = bool(arguments.get("optimizer_offload", False))
+        self.mlp_chunk_size: int | None = arguments.get("mlp_chunk_size")
         self.sharded = False  # helix: parameters sharded by sub-block unit (after the first training batch)
         self.forward_program = None
         self.stage_optimizers: StageOptimizers | None = None
@@ -206,6 +209,8 @@ class SplitPlacement:
                 self.stages = StepSPipeStages(runner, self.program.num_stages, count, step_name, loss=_loss_of(step_name))
         if self.kind == "helix":
             units = self._shard(strategy, units)
+            if self.mlp_chunk_size:  # HelixPipe's chunked MLP, inside each post-attention unit
+                units = [u.chunk_mlp(self.mlp_chunk_size) for u in units]
             self.stages = StepHelixStages(runner, units, step_name, loss=_loss_of(step_name))
         layout = strategy.layout
         self.executor = SplitPlacementExecutor(

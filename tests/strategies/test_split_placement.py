@@ -44,13 +44,15 @@ class _RealParameters(Callback):
 def test_gpt_trains_as_on_one_device(tmp_path, schedule):
     """AdamW, global-norm clipping, two batches accumulated per step, a token-mean loss over padded batches
     (weighted by counted targets), a validation run; the logged losses are one device's. helix keeps on
-    each rank only the parameters of its sub-block units; spipe every parameter, in shared memory."""
+    each rank only the parameters of its sub-block units and runs its MLPs in chunks; spipe keeps every
+    parameter, in shared memory."""
     batches = lm_batches(4, 8, [12, 9], vocab=32, padding="variable")  # microbatches count different targets
     val = lm_batches(1, 8, [7], vocab=32, padding="variable", seed=5)
     kwargs = dict(steps=2, gradient_clip_val=0.05, accumulate_grad_batches=2, val_batches=val, val_check_interval=2)
     (tmp_path / "held").mkdir()
+    chunked = {"mlp_chunk_size": 4} if schedule == "helix" else {}  # HelixPipe's chunked MLP: lengths 12 and 9
     pipelined = fit(
-        _gpt, batches, _strategy(schedule), devices=2, log_dir=tmp_path / "pipe",
+        _gpt, batches, _strategy(schedule, **chunked), devices=2, log_dir=tmp_path / "pipe",
         callbacks=[_RealParameters(tmp_path / "held")], **kwargs,
     )
     reference = fit(_gpt, batches, log_dir=tmp_path / "one", **kwargs)
