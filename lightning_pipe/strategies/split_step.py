@@ -34,10 +34,10 @@ Data parallelism: each replica's pipeline runs the program; after the pipeline's
 averaged over the replicas (spipe: every process of the machine maps the same parameters, and only
 the owner in replica 0 steps each one).
 
-Refused, with what to change: memory plans (``mlp_chunk_size`` too for spipe), packing, elastic depth, ``plan="auto"``, explicit
-partitions, devices other than the CPU, optimizer offload for helix (and for spipe with data
-parallelism), and for spipe
-any start method but ``"fork"``, several nodes and modules that build layers in ``configure_model``.
+Refused, with what to change: memory plans (``mlp_chunk_size`` too for spipe), packing, elastic
+depth, ``plan="auto"``, explicit partitions, planning callbacks, devices other than the CPU, optimizer
+offload for helix (and for spipe with data parallelism), and for spipe any start method but
+``"fork"``, several nodes and modules that build layers in ``configure_model``.
 SPipe's asynchronous per-stage host optimizers (``optimizer_offload=True``) run on the ranks of the
 stages' backwards (one optimizer, no clipping or accumulation, no weights tied across those ranks).
 """
