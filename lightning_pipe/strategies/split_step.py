@@ -22,8 +22,11 @@ checkpoints) is the strategy's own:
   which recomputes it from the checkpoint sent ahead. After the step the gradients are summed over the
   pipeline and each parameter is stepped by one rank only, its *owner* (the highest rank that computed
   a gradient for it: the backward rank of its stage), with the user's optimizer; the other ranks hold
-  no gradient and no optimizer state for it. A barrier before every step lets the owners' updates land
-  before any forward reads them.
+  no gradient and no optimizer state for it. A barrier after every optimizer step (and one before
+  every training step, for the stage optimizers' writes) lets the owners' updates land before any
+  process reads the shared parameters again: the next forwards, and the state that checkpoints and the
+  end of training gather from every process (without it, a process could gather a parameter its owner
+  is still updating).
 
 Evaluation (``validation_step``, ``test_step``, ``predict_step``) of a sharded helix module runs the
 program's forwards (``F`` and their sends) through the pipeline, the last stage's logs replayed as in
@@ -212,6 +215,14 @@ class SplitPlacement:
             if self.mlp_chunk_size:  # HelixPipe's chunked MLP, inside each post-attention unit
                 units = [u.chunk_mlp(self.mlp_chunk_size) for u in units]
             self.stages = StepHelixStages(runner, units, step_name, loss=_loss_of(step_name))
+        if self.kind == "spipe" and strategy.world_size > 1:
+            # an owner's update must be complete before any process reads the shared parameters again: the next
+            # step's forwards, and the state a checkpoint or the end of training gathers from every process
+            for optimizer in strategy.optimizers:
+                inner = getattr(optimizer, "optimizer", optimizer)
+                inner.register_step_post_hook(
+                    lambda *args: collectives.barrier(operation="the barrier after an SPipe optimizer step")
+                )
         layout = strategy.layout
         self.executor = SplitPlacementExecutor(
             self.stages, self.p2p, layout.pipeline_ranks(), layout.pipeline_rank, strategy.root_device

@@ -4,6 +4,7 @@ LightningModule trains on 2 gloo processes to the parameters of one device (floa
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -143,12 +144,22 @@ def test_spipe_with_its_asynchronous_stage_optimizers_trains_as_on_one_device():
     assert_same_parameters(pipelined, reference, atol=1e-10)
 
 
+class _SlowStepOnRankZero(Callback):
+    """Global rank 0 steps its optimizer late: a process reading shared parameters before every owner's
+    update is complete (the next forward, the state gathered at the end) would read old values."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_rank == 0:
+            time.sleep(0.5)
+
+
 @pytest.mark.parametrize("schedule", ["helix", SPIPE], ids=["helix", "spipe"])
 def test_two_replicas_of_two_ranks_train_as_on_one_device(schedule):
     """4 processes, pp=2 x dp=2: each replica's pipeline runs the program, gradients are averaged over the
-    replicas after the pipeline's sum (spipe: one process of the machine steps each shared parameter)."""
+    replicas after the pipeline's sum (spipe: one process of the machine steps each shared parameter,
+    and every process waits for all updates before reading them again)."""
     batches = token_batches(4, 4, 10)
-    pipelined = fit(_gpt, batches, _strategy(schedule), devices=4, steps=2)
+    pipelined = fit(_gpt, batches, _strategy(schedule), devices=4, steps=2, callbacks=[_SlowStepOnRankZero()])
     reference = fit(_gpt, reference_batches(batches, 2), steps=2)
     assert_same_parameters(pipelined, reference, atol=1e-10)
 
