@@ -23,7 +23,8 @@ from .registry import Schedule
 from .validate import validate
 
 __all__ = [
-    "SPLIT_PLACEMENT_FAMILIES", "check_split_options", "is_split_placement", "split_program", "split_share_costs",
+    "SPLIT_PLACEMENT_FAMILIES", "check_split_options", "is_split_placement", "refuse_split_placement", "split_program",
+    "split_share_costs",
 ]
 
 #: Family names whose programs place one stage on several ranks, with the options each accepts.
@@ -37,6 +38,20 @@ def is_split_placement(schedule: Any) -> bool:
     """Whether ``schedule`` (a :class:`Schedule` or a name) is HelixPipe or SPipe."""
     name = schedule.name if isinstance(schedule, Schedule) else schedule
     return isinstance(name, str) and name.lower() in SPLIT_PLACEMENT_FAMILIES
+
+
+def refuse_split_placement(program: Program, who: str) -> None:
+    """For planners that price stages placed whole on one rank: refuse a split-placement program.
+
+    Raises:
+        ValueError: ``program`` places a stage's actions on several ranks (``Program.pair_ranks``).
+    """
+    if program.pair_ranks is not None:
+        raise ValueError(
+            f"{who} prices stages placed whole on one rank; program {program.name!r} places a stage's actions on "
+            "several ranks (split placement: HelixPipe, SPipe), which it does not model. Compare split placement "
+            "with `schedules.simulate` or `auto_schedule(..., num_blocks=...)`."
+        )
 
 
 def check_split_options(name: str, options: Mapping[str, Any]) -> None:

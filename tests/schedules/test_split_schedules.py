@@ -55,3 +55,17 @@ def test_joint_planner_refuses_split_placement_families():
     model = gpt_cost_model(num_layers=4, hidden=256, heads=4, vocab=1000)
     with pytest.raises(ValueError, match="cannot switch into or out of split placement"):
         plan_joint(model, [64, 32, 16, 8], 2, None, config=JointConfig(families=("1f1b", "helix")))
+
+
+def test_planners_that_price_whole_stages_refuse_split_programs():
+    from lightning_pipe.planning import gpt_cost_model
+    from lightning_pipe.planning.cost_model import MicrobatchShape
+    from lightning_pipe.planning.memory_model import MemoryPlan, predict_memory
+    from lightning_pipe.planning.partition import plan_partition
+
+    program = split_program(resolve_schedule("helix"), 2, 4, 4)
+    shapes = [MicrobatchShape(1, 64, 64.0**2)] * 4
+    with pytest.raises(ValueError, match="the partition planner prices stages placed whole"):
+        plan_partition(gpt_cost_model(num_layers=4, hidden=64, heads=4, vocab=100), shapes, program, 2)
+    with pytest.raises(ValueError, match="the memory model prices stages placed whole"):
+        predict_memory(program, list(range(5)), shapes, MemoryPlan(), profile=None)  # refused before anything is read
