@@ -29,6 +29,7 @@ that do not cut blocks are unaffected.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,56 @@ class SubBlockUnits:
     out_spec: Any
     carried_tensors: tuple[bool, ...] = ()
     layouts: dict[str, tuple[tuple[int, ...] | None, ...]] = field(default_factory=dict)
+
+    def tensor_names(self, unit: str) -> frozenset[str]:
+        """Names, relative to the block, of the parameters and buffers ``unit`` (``"pre"`` or ``"post"``)
+        reads: what a rank running only that unit must hold (HelixPipe's sharding by sub-block unit)."""
+        graph = getattr(self, unit).graph
+        return frozenset(str(node.target) for node in graph.nodes if node.op == "get_attr")
+
+    def chunk_mlp(self, chunk_size: int, names: Sequence[str] = ("mlp", "ffn", "feed_forward")) -> SubBlockUnits:
+        """The same units with the block's MLP, inside ``post``, run in sequence chunks of ``chunk_size``
+        (HelixPipe's chunked MLP: the hidden layer's working memory shrinks to one chunk's).
+
+        The MLP is the part of ``post``'s graph that the capture attributes to a submodule named one of
+        ``names``; it must take one tensor ``[..., T, C]`` and give one, position by position (the
+        usual MLP: linear layers and pointwise activations). Chunks along dimension -2 are concatenated
+        back; results equal the unchunked ones up to the order of floating-point sums.
+
+        Raises:
+            ValueError: no such submodule, or it takes or gives more than one value.
+        """
+        graph = self.post.graph
+        region = [n for n in graph.nodes if n.op == "call_function" and _module_root(n) in names]
+        inside = set(region)
+        if not region:
+            raise ValueError(f"`mlp_chunk_size`: the block has no submodule named {list(names)} after its attention")
+        inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside and a.op != "get_attr"))
+        outputs = [n for n in region if any(user not in inside for user in n.users)]
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise ValueError(
+                f"`mlp_chunk_size`: the block's MLP takes {len(inputs)} values and gives {len(outputs)}; chunking needs "
+                "one tensor in and one out"
+            )
+        chunked = _ChunkedModule(_subgraph(self.post, region, inputs, outputs), chunk_size)
+        new = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in graph.nodes:
+            if node in inside:
+                if node is outputs[0]:
+                    env[node] = new.call_module("chunked_mlp", (env[inputs[0]],))
+                continue
+            env[node] = new.node_copy(node, lambda n: env[n])
+        root = nn.Module()
+        for name, child in self.post.named_children():
+            root.add_module(name, child)
+        for name, tensor in self.post.named_parameters(recurse=False):
+            root.register_parameter(name, tensor)
+        for name, tensor in self.post.named_buffers(recurse=False):
+            root.register_buffer(name, tensor)
+        root.add_module("chunked_mlp", chunked)
+        new.lint()
+        return dataclasses.replace(self, post=fx.GraphModule(root, new))
 
     def rebind(self, block: nn.Module) -> SubBlockUnits:
         """The same cut for another block of the stack (same class and parameter shapes): units that
@@ -200,12 +251,16 @@ def _tensors(module: nn.Module) -> set[tuple[str, torch.Tensor]]:
 
 
 def _dynamic_shapes(block: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Every dimension of every tensor input symbolic except the last (features, head size), keyed by
-    the names of ``block.forward``'s parameters (what ``torch.export`` expects with keyword arguments)."""
+    """Every dimension of every tensor input symbolic except the last of floating tensors (features, head
+    size), keyed by the names of ``block.forward``'s parameters (what ``torch.export`` expects with keyword
+    arguments). The last dimension of a mask (``[B, 1, T, T]``, boolean or additive) follows the sequence:
+    a floating tensor of 4 dimensions or more, or any non-floating one, keeps it symbolic too (``AUTO``:
+    fixed where the block's code fixes it)."""
 
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {d: torch.export.Dim.AUTO for d in range(max(value.dim() - 1, 0))} or None
+            last = value.dim() if (not value.is_floating_point() or value.dim() >= 4) else value.dim() - 1
+            return {d: torch.export.Dim.AUTO for d in range(max(last, 0))} or None
         return None
 
     bound = inspect.signature(block.forward).bind(*args, **kwargs)
@@ -233,6 +288,29 @@ def _subgraph(
     graph.output(tuple(lookup(n) for n in outputs))
     graph.lint()
     return fx.GraphModule(root, graph)
+
+
+def _module_root(node: fx.Node) -> str | None:
+    """The first name of the innermost submodule path the capture gives ``node`` (``"mlp"`` for
+    ``mlp.c_fc``), or None."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path.split(".")[0] if path else None
+
+
+class _ChunkedModule(nn.Module):
+    """Runs a one-tensor-in, one-tensor-out graph in chunks along dimension -2."""
+
+    def __init__(self, inner: fx.GraphModule, chunk_size: int) -> None:
+        super().__init__()
+        self.inner, self.chunk_size = inner, chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[-2] <= self.chunk_size:
+            return self.inner(x)[0]
+        return torch.cat([self.inner(piece)[0] for piece in x.split(self.chunk_size, dim=-2)], dim=-2)
 
 
 def _refuse(block: nn.Module, reason: str) -> BlockNotSplittable:

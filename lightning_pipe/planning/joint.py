@@ -74,7 +74,7 @@ from lightning_pipe.planning.microbatching import (
 )
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
-from lightning_pipe.schedules import Schedule, resolve_schedule
+from lightning_pipe.schedules import Schedule, is_split_placement, resolve_schedule
 from lightning_pipe.schedules.ir import Program
 
 __all__ = [
@@ -425,6 +425,12 @@ def plan_joint(
     chunkings = _chunkings(cost_model, lengths, config)
     for spec in config.families:
         schedule = resolve_schedule(spec)
+        if is_split_placement(schedule):  # docs/joint-planning.md: why split placement is not a candidate
+            raise ValueError(
+                f"`JointConfig.families` lists {schedule.name!r}: the joint planner's bounds and batch simulation price "
+                "stages placed whole on one rank, and the strategy cannot switch into or out of split placement "
+                f"between batches. Train with `schedule={schedule.name!r}` directly, or leave it out of the families."
+            )
         if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
             continue
         for count in config.counts(num_ranks):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.planning.cost_model import LinearCost, MicrobatchShape
 from lightning_pipe.schedules.action_rules import ACTION_RULES
+from lightning_pipe.schedules.split_schedules import refuse_split_placement
 from lightning_pipe.schedules.ir import Program
 
 if TYPE_CHECKING:
@@ -467,6 +468,7 @@ def predict_memory(
     Raises:
         ValueError: if the sizes disagree.
     """
+    refuse_split_placement(program, "the memory model")
     if len(boundaries) != program.num_stages + 1:
         raise ValueError(f"{len(boundaries)} boundaries for {program.num_stages} stages; expected {program.num_stages + 1}.")
     if len(shapes) != program.num_microbatches:

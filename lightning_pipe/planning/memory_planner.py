@@ -51,6 +51,7 @@ from lightning_pipe.planning.memory_model import (
 )
 from lightning_pipe.schedules.costs import ActionCosts
 from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds
+from lightning_pipe.schedules.split_schedules import refuse_split_placement
 from lightning_pipe.schedules.ir import ActionType, Program
 from lightning_pipe.schedules.lowering import message_of
 from lightning_pipe.schedules.simulate import simulate
@@ -185,6 +186,7 @@ def _problem(
     mlp_chunk_size: int | None,
     chunks: ChunkMemory | None = None,
 ) -> _Problem:
+    refuse_split_placement(program, "the memory planner")
     bounds = tuple(int(b) for b in boundaries)
     if chunks is not None and chunks.num_microbatches != len(shapes):
         raise ValueError(f"`chunks` describes {chunks.num_microbatches} microbatches, `shapes` {len(shapes)}.")

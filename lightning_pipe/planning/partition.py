@@ -52,6 +52,7 @@ from lightning_pipe.planning.boundaries import (
 from lightning_pipe.planning.bounds import Chain, ProgramAnalysis, path_chain
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.schedules import Program, resolve_schedule, simulate
+from lightning_pipe.schedules.split_schedules import refuse_split_placement
 
 __all__ = [
     "PartitionPlan",
@@ -107,6 +108,7 @@ class _Analysis:
 
 @functools.lru_cache(maxsize=64)
 def _analyse_program(program: Program) -> _Analysis:
+    refuse_split_placement(program, "the partition planner")
     return _Analysis(ProgramAnalysis.of(program), CompiledProgram.of(program))
 
 

@@ -16,8 +16,8 @@ stages keep their activations. Messages carry shapes and dtypes, so any microbat
 Two ways to say what the non-block code is: :class:`HelixParts` (embedding, head and loss as
 functions) or :class:`StepHelixStages`, which runs the user's own unchanged step function through a
 :class:`~lightning_pipe.model.StageRunner` (the strategy's mechanism: non-block code for real, other
-blocks as placeholders), cutting it at the block whose pre-attention the stage runs. The strategy does
-not use either yet, so ``schedule="helix"`` is not available through ``ElasticPipelineStrategy``.
+blocks as placeholders), cutting it at the block whose pre-attention the stage runs. The strategy runs
+``schedule="helix"`` with the latter (``strategies/split_step.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from lightning_pipe.model.sub_blocks import SubBlockUnits, split_block_at_attent
 from lightning_pipe.runtime.p2p import PointToPoint
 from lightning_pipe.runtime.split_executor import SplitPlacementExecutor
 
-__all__ = ["HelixExecutor", "HelixParts", "HelixStages", "StepHelixStages", "capture_block_call", "split_stack"]
+__all__ = [
+    "HelixExecutor", "HelixParts", "HelixStages", "StepHelixStages", "capture_block_call", "helix_holdings", "split_stack",
+]
 
 
 @dataclass
@@ -177,6 +179,7 @@ class StepHelixStages(HelixStages):
         self.runner, self.step_name = runner, step_name
         self.loss = loss or (lambda output: output["loss"] if isinstance(output, dict) else output)
         self.logs: dict[int, list] = {}
+        self.recorder: Any = None  # a runtime.split_step.LastStageRecorder: the last stage's outcome (the strategy's)
 
     def compute(self, stage: int, microbatch: Any, inputs: list[Any]) -> list[Any]:
         """One stage for ``microbatch``: the step's arguments, ``(batch, batch_idx)``."""
@@ -197,10 +200,16 @@ class StepHelixStages(HelixStages):
 
         first = min(layer, num_blocks)
         span = StageSpan(stage, first, min(layer + 1, num_blocks), num_blocks)
-        try:
-            result = self.runner.run(
+
+        def run() -> Any:
+            return self.runner.run(
                 self.step_name, tuple(microbatch), span, receive=receive if stage else None, wrap_block=pre_attention
             )
+
+        if stage == self.num_stages - 1 and self.recorder is not None:
+            return self.recorder.run(microbatch, run)
+        try:
+            result = run()
         except _PreAttentionDone:
             return captured
         self.logs[id(microbatch)] = result.logs
@@ -209,3 +218,37 @@ class StepHelixStages(HelixStages):
 
 def _unused(*args: Any) -> Any:
     raise AssertionError("StepHelixStages runs the user's step for the embedding and the head")
+
+
+def helix_holdings(
+    root: torch.nn.Module, stack: BlockStack, units: Sequence[SubBlockUnits], pre_names: Sequence[str],
+    post_names: Sequence[str], num_ranks: int,
+) -> list[set[str]] | None:
+    """Per pipeline rank, the parameter names (aliases included) its helix stages use, or None when a
+    parameter would be needed on two ranks or on none (then the module stays whole on every rank).
+
+    Unit stage ``2l`` runs on rank ``l mod p``: pre-attention of block ``l`` (and ``pre_names``, the
+    embedding side, for ``l = 0``), post-attention of block ``l - 1`` (and ``post_names``, the head
+    side, for ``l = L``). Attention stages use no parameters.
+    """
+    named = dict(root.named_parameters(remove_duplicate=False))
+    ids: list[set[int]] = [set() for _ in range(num_ranks)]
+    num_blocks = len(units)
+
+    def add(rank: int, names: Any) -> None:
+        ids[rank].update(id(named[n]) for n in names if n in named)
+
+    for layer in range(num_blocks + 1):
+        rank = layer % num_ranks
+        if layer == 0:
+            add(rank, pre_names)
+        if layer == num_blocks:
+            add(rank, post_names)
+        if layer < num_blocks:
+            add(rank, (f"{stack.block_path(layer)}.{n}" for n in units[layer].tensor_names("pre")))
+        if layer >= 1:
+            add(rank, (f"{stack.block_path(layer - 1)}.{n}" for n in units[layer - 1].tensor_names("post")))
+    every = {id(t) for t in named.values()}
+    if set().union(*ids) != every or sum(len(i) for i in ids) != len(every):
+        return None
+    return [{n for n, t in named.items() if id(t) in mine} for mine in ids]

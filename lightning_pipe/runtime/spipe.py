@@ -22,11 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipe.model.stage_runner import StageRunner, StageSpan
 from lightning_pipe.schedules.ir import Program
 
-__all__ = ["SPipeStages", "owned_parameters", "share_parameters"]
+__all__ = ["SPipeStages", "StepSPipeStages", "check_shared_parameters", "owned_parameters", "share_parameters"]
 
 
 class SPipeStages:
@@ -101,3 +104,82 @@ def owned_parameters(
                     seen.add(id(param))
                     owned.append(param)
     return owned
+
+
+class StepSPipeStages:
+    """SPipe's stages running the user's own step: stage ``s`` is blocks ``[s k, (s + 1) k)`` of the
+    stack (``k = L / D``) as a stage of the :class:`~lightning_pipe.model.StageRunner`, the first with
+    what runs before block 0, the last with the rest of the step and its loss.
+
+    Args:
+        runner: the module's stage runner.
+        num_stages: the program's stages ``D``; must divide the block count.
+        num_outputs: tensors a block's output flattens to (what one stage sends the next).
+        step_name: the step function (``"training_step"``).
+        loss: picks the loss from what the step returns; default: the value, or its ``"loss"``.
+    """
+
+    def __init__(
+        self,
+        runner: StageRunner,
+        num_stages: int,
+        num_outputs: int = 1,
+        step_name: str = "training_step",
+        loss: Callable[[Any], Tensor] | None = None,
+    ) -> None:
+        num_blocks = len(runner.stack.blocks)
+        if num_blocks % num_stages:
+            raise ValueError(f"SPipe: {num_stages} stages of equal block counts do not divide {num_blocks} blocks")
+        self.runner, self.num_stages, self.step_name = runner, num_stages, step_name
+        self.num_blocks, self.per_stage, self.num_outputs = num_blocks, num_blocks // num_stages, num_outputs
+        self.loss = loss or (lambda output: output["loss"] if isinstance(output, dict) else output)
+        self.recorder: Any = None  # a runtime.split_step.LastStageRecorder: the last stage's outcome
+
+    def compute(self, stage: int, microbatch: Any, inputs: list[Any]) -> list[Any]:
+        """The stage's part of the step for ``microbatch`` (the step's arguments) on ``inputs``."""
+        span = StageSpan(stage, stage * self.per_stage, (stage + 1) * self.per_stage, self.num_blocks)
+
+        def run() -> Any:
+            return self.runner.run(self.step_name, tuple(microbatch), span, receive=(lambda metas: inputs) if stage else None)
+
+        if span.is_last:
+            if self.recorder is not None:
+                return self.recorder.run(microbatch, run)
+            return [self.loss(run().step_output)]
+        return list(run().outputs)
+
+    def input_tensors(self, stage: int) -> list[bool]:
+        """The previous stage's output tensors (none into the first)."""
+        return [] if stage == 0 else [True] * self.num_outputs
+
+
+def check_shared_parameters(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
+    """Check that the ranks of ``group`` map the same storage for ``module``'s first parameter (a
+    collective): rank 0 writes a different value into it, the others must see it, rank 0 puts the old
+    value back. Processes that were not forked after ``share_parameters`` each hold their own copy,
+    where SPipe's owners' updates would never reach the others.
+
+    Raises:
+        RuntimeError: on every rank, when a rank does not see rank 0's write.
+    """
+    param = next((p for p in module.parameters() if p.numel()), None)
+    if param is None or dist.get_world_size(group) == 1:
+        return
+    flat = param.data.view(-1)
+    original = flat[:1].clone()
+    dist.barrier(group=group)
+    if rank == 0:
+        flat[:1] = torch.where(original == 0, torch.ones_like(original), original * 2)
+    dist.barrier(group=group)
+    seen = torch.tensor([float(rank == 0 or bool((flat[:1] != original).all()))])
+    dist.barrier(group=group)
+    if rank == 0:
+        flat[:1] = original
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
+    dist.barrier(group=group)
+    if seen.item() < 1:
+        raise RuntimeError(
+            "SPipe: the ranks do not share the module's parameters in memory (a write by rank 0 is not seen by the "
+            "others): parameters must go to shared memory (`module.share_memory()`) before the ranks fork "
+            "(`start_method='fork'`), on one machine."
+        )

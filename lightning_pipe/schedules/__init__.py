@@ -31,6 +31,7 @@ from .layout_program import LayoutProgram, layout_1f1b
 from .lowering import build_program, forward_only, insert_communication, place_stages
 from .registry import Schedule, available_schedules, register_schedule, unregister_schedule
 from .resolve import resolve_schedule
+from .split_schedules import is_split_placement, split_program
 from .render import render_ascii, render_png, to_chrome_trace, write_chrome_trace
 from .simulate import SimulationResult, TimedAction, simulate
 from .text import format_action, format_csv, format_table, parse_action, parse_csv, parse_table
@@ -62,6 +63,8 @@ __all__ = [
     "helix",
     "helix_stage_costs",
     "spipe",
+    "split_program",
+    "is_split_placement",
     # checking and measuring
     "validate",
     "ScheduleError",

@@ -200,9 +200,8 @@ def check_executable(program: Program) -> Program:
             f"Program {program.name!r} holds actions the runtime does not run ({'; '.join(found)}). Memory actions "
             "(RECOMPUTE, OFFLOAD, RELOAD) are written by the strategy from its memory plan: ask for recomputation and "
             "offload with a memory plan (`recompute=`/`offload=` of the strategy, or the `MemoryPlanner` callback); "
-            "split placement "
-            "(the 'helix' and 'spipe' programs, SEND_C/RECV_C checkpoints) runs only in "
-            "runtime/split_executor.py, not in the strategy: use 1f1b, zb_h1 or interleaved_1f1b to train with it. "
+            "split placement (SEND_C/RECV_C checkpoints, a stage on several ranks) runs only as the strategy's "
+            "`schedule='helix'` or `schedule='spipe'` (runtime/split_executor.py), not inside another schedule. "
             "Remove them from the schedule."
         )
     return program

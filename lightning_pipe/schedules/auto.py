@@ -25,12 +25,14 @@ from .ir import Program
 from .registry import Schedule
 from .resolve import resolve_schedule
 from .simulate import simulate
+from .split_schedules import is_split_placement, split_program
 from .validate import ScheduleError
 
 __all__ = [
     "AutoScheduleRow",
     "auto_schedule",
     "default_candidates",
+    "split_candidates",
     "split_stages",
     "format_auto_table",
     "render_auto_table",
@@ -171,6 +173,8 @@ def auto_schedule(
     *,
     num_microbatches: int | None = None,
     candidates: Iterable[Any] | None = None,
+    num_blocks: int | None = None,
+    attention_share: float | None = None,
 ) -> list[AutoScheduleRow]:
     """Simulate candidate schedules and rank them: those that fit first, then by makespan and memory.
 
@@ -183,6 +187,15 @@ def auto_schedule(
         num_microbatches: default: as many as the cost tables have.
         candidates: schedules to try (names, specs, :class:`Schedule`); default
             :func:`default_candidates`.
+        num_blocks: the model's blocks. Given, the split-placement families are candidates too (their
+            stage count follows the model): ``spipe`` (``stages_per_rank`` 1 and 2, ``backward_split``
+            2), each rank's costs cut evenly into its finer stages, and ``helix`` when
+            ``attention_share`` is given. Off by default: the strategy runs them only when chosen at
+            construction (``schedule="helix"``), so a per-batch switch (``ScheduleSwitch``) must not
+            pick them.
+        attention_share: the fraction of a block's forward (and backward) spent in the attention
+            core, which HelixPipe runs on other ranks (the rest: a third pre-attention, two thirds
+            post-attention); per-stage costs do not tell it, so helix is priced only with it.
 
     Returns:
         One row per distinct candidate that builds; candidates that deadlock or do not apply to
@@ -206,21 +219,34 @@ def auto_schedule(
         raise ValueError("pass num_microbatches when costs is a function")
     limits = _limits(memory_limit, num_ranks)
     pool = default_candidates() if candidates is None else [(str(c), resolve_schedule(c)) for c in candidates]
+    if num_blocks is not None:
+        if base is None:
+            raise ValueError("split-placement candidates (num_blocks=...) are priced from per-rank costs: pass an ActionCosts")
+        pool += split_candidates(attention_share is not None)
     cache: dict[int, ActionCosts] = {}
     seen: dict[tuple, AutoScheduleRow] = {}
     rows: list[AutoScheduleRow] = []
     for label, schedule in pool:
         try:
-            program = _build(schedule, num_ranks, m)
+            if is_split_placement(schedule):
+                if num_blocks is None:
+                    raise ValueError("split placement needs num_blocks")
+                program = split_program(schedule, num_ranks, m, num_blocks)
+            else:
+                program = _build(schedule, num_ranks, m)
         except (ScheduleError, ValueError):
             continue
         key = (program.stage_to_rank, program.actions)
         if key in seen:
             continue
-        v = schedule.stages_per_rank
-        if v not in cache:
-            cache[v] = cost_for(num_ranks * v) if cost_for else split_stages(base, v)  # type: ignore[arg-type]
-        result = simulate(program, cache[v], record_events=False)
+        if is_split_placement(schedule):
+            costs_of_program = _split_costs(schedule, program, base, attention_share)  # type: ignore[arg-type]
+        else:
+            v = schedule.stages_per_rank
+            if v not in cache:
+                cache[v] = cost_for(num_ranks * v) if cost_for else split_stages(base, v)  # type: ignore[arg-type]
+            costs_of_program = cache[v]
+        result = simulate(program, costs_of_program, record_events=False)
         row = AutoScheduleRow(
             schedule=schedule,
             label=label,
@@ -233,6 +259,48 @@ def auto_schedule(
         seen[key] = row
         rows.append(row)
     return sorted(rows, key=lambda r: (not r.fits, r.makespan, r.peak_memory, r.label))
+
+
+def split_candidates(include_helix: bool = True) -> list[tuple[str, Schedule]]:
+    """The split-placement candidates :func:`auto_schedule` adds when told the model's blocks."""
+    out = [
+        (f"spipe:v={v}", resolve_schedule({"name": "spipe", "stages_per_rank": v, "backward_split": 2})) for v in (1, 2)
+    ]
+    if include_helix:
+        out.insert(0, ("helix", resolve_schedule("helix")))
+    return out
+
+
+def _split_costs(schedule: Schedule, program: Program, base: ActionCosts, attention_share: float | None) -> ActionCosts:
+    """Per-rank costs cut into a split-placement program's stages (see :func:`auto_schedule`)."""
+    num_ranks = base.num_stages
+    if schedule.name == "spipe":
+        return split_stages(base, program.num_stages // num_ranks)
+    assert attention_share is not None
+    layers = (program.num_stages - 1) // 2
+    per_rank = layers // num_ranks
+    parts = ((1 - attention_share) / 3, attention_share, 2 * (1 - attention_share) / 3)  # pre, attention, post
+
+    def table(source: Any) -> Any:
+        rows = []
+        for stage in range(program.num_stages):
+            layer, attention = divmod(stage, 2)
+            # a stage's share of its block's cost, from the rank that holds the block's unit
+            rank = min(layer, layers - 1) // per_rank
+            block = [value / per_rank for value in source[rank]]
+            if attention:
+                share = parts[1]
+            elif stage == 0:
+                share = parts[0]
+            elif stage == program.num_stages - 1:
+                share = parts[2]
+            else:
+                share = parts[0] + parts[2]
+            rows.append(tuple(value * share for value in block))
+        return tuple(rows)
+
+    saved = table(base.saved_bytes) if base.saved_bytes is not None else None
+    return ActionCosts(forward=table(base.forward), backward=table(base.backward), saved_bytes=saved)
 
 
 def _build(schedule: Schedule, num_ranks: int, num_microbatches: int) -> Program:

@@ -6,6 +6,7 @@ Examples::
     python -m lightning_pipe.schedules.cli show zbv --stages 8 --microbatches 8 --png zbv.png --trace zbv.json
     python -m lightning_pipe.schedules.cli show "placement=circular stages_per_rank=2 max_in_flight=4" -p 4 -m 8
     python -m lightning_pipe.schedules.cli auto --ranks 4 --microbatches 8 --saved-bytes 1 --memory-limit 4
+    python -m lightning_pipe.schedules.cli show helix --ranks 4 --blocks 8 --microbatches 8
     python -m lightning_pipe.schedules.cli list
     python -m lightning_pipe.schedules.cli gallery docs/img/schedules
 
@@ -29,6 +30,7 @@ from .registry import Schedule, available_schedules
 from .resolve import resolve_schedule
 from .render import render_ascii, render_png, write_chrome_trace
 from .simulate import simulate
+from .split_schedules import is_split_placement, split_program, split_share_costs
 from .text import format_table
 
 __all__ = ["main"]
@@ -63,10 +65,18 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--trace", help="also write a Chrome-trace JSON here")
     show.add_argument("--width", type=int, default=160, help="characters for the time axis (default 160)")
     show.add_argument("--actions", action="store_true", help="also print each rank's action list")
+    show.add_argument(
+        "--blocks", type=int, default=None,
+        help="the model's blocks, for helix/spipe (their stage count follows the model; uniform share costs)",
+    )
     auto = commands.add_parser("auto", help="rank families and DSL settings by simulated step time")
     _add_size_and_costs(auto, stages=False)
     auto.add_argument("--memory-limit", type=float, default=None, help="bytes per rank")
     auto.add_argument("--top", type=int, default=None, help="show only the best N rows")
+    auto.add_argument("--blocks", type=int, default=None, help="the model's blocks: also price spipe (and helix)")
+    auto.add_argument(
+        "--attention-share", type=float, default=None, help="fraction of a block's time in attention (prices helix)"
+    )
     commands.add_parser("list", help="list families and DSL presets")
     gallery = commands.add_parser("gallery", help="render the documented pictures into a folder")
     gallery.add_argument("out_dir")
@@ -107,12 +117,20 @@ def _show(args: argparse.Namespace) -> int:
     schedule = resolve_schedule(args.schedule)
     num_ranks = _num_ranks(args, schedule)
     v = schedule.stages_per_rank
-    program = schedule.build(num_ranks, args.microbatches)
-    result = simulate(program, _costs(args, num_ranks, v))
-    print(
-        f"{program.name}: {num_ranks} ranks x {v} stage(s) per rank = {program.num_stages} stages, "
-        f"{args.microbatches} microbatches"
+    if is_split_placement(schedule):  # stages follow the model: one rank's share costs 1 forward, 2 backward
+        if args.ranks is None:
+            raise ValueError(f"{schedule.name!r} places stages by the model's blocks: pass --ranks and --blocks")
+        program = split_program(schedule, num_ranks, args.microbatches, args.blocks or num_ranks)
+        result = simulate(program, split_share_costs(program, num_ranks))
+    else:
+        program = schedule.build(num_ranks, args.microbatches)
+        result = simulate(program, _costs(args, num_ranks, v))
+    layout = (
+        f"{num_ranks} ranks, {program.num_stages} stages placed per microbatch"
+        if program.pair_ranks is not None
+        else f"{num_ranks} ranks x {v} stage(s) per rank = {program.num_stages} stages"
     )
+    print(f"{program.name}: {layout}, {args.microbatches} microbatches")
     print(render_ascii(result, max_width=args.width))
     print(f"makespan {result.makespan:g}   bubble ratio {result.bubble_ratio:.1%}")
     print(f"peak in-flight microbatches per rank: {list(result.max_in_flight)}")
@@ -128,7 +146,9 @@ def _show(args: argparse.Namespace) -> int:
 
 def _auto(args: argparse.Namespace) -> int:
     costs = _costs(args, args.ranks, 1)
-    rows = auto_schedule(costs, args.ranks, args.memory_limit)
+    rows = auto_schedule(
+        costs, args.ranks, args.memory_limit, num_blocks=args.blocks, attention_share=args.attention_share
+    )
     print(format_auto_table(rows, limit=args.top))
     return 0
 

@@ -220,6 +220,12 @@ class ScheduleSpec:
         try:
             base = PRESETS[preset.lower()]
         except KeyError:
+            if preset.lower() in ("helix", "spipe"):  # split placement: not expressible (docs/schedules.md)
+                raise ValueError(
+                    f"{preset!r} is not a DSL preset: the DSL places every stage whole on one rank, and {preset!r} runs "
+                    "one stage's actions on several ranks (Program.pair_ranks). Use the family itself: "
+                    f"schedule={preset.lower()!r} (or a dict with its options, docs/schedules.md)."
+                ) from None
             raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(sorted(PRESETS))}") from None
         return dataclasses.replace(base, **overrides)
 

@@ -16,6 +16,7 @@ from .costs import ActionCosts
 from .resolve import resolve_schedule
 from .render import render_png
 from .simulate import SimulationResult, simulate
+from .split_schedules import is_split_placement, split_program, split_share_costs
 
 __all__ = ["Picture", "PICTURES", "simulate_picture", "render_gallery", "uniform_share_costs"]
 
@@ -30,6 +31,8 @@ class Picture:
         num_ranks: pipeline ranks.
         num_microbatches: microbatches per step.
         caption: one sentence for the docs.
+        num_blocks: the model's blocks, for split-placement schedules (``helix``, ``spipe``), whose
+            stage count follows the model; None for the others.
     """
 
     filename: str
@@ -37,6 +40,7 @@ class Picture:
     num_ranks: int
     num_microbatches: int
     caption: str
+    num_blocks: int | None = None
 
 
 PICTURES: tuple[Picture, ...] = (
@@ -69,6 +73,16 @@ PICTURES: tuple[Picture, ...] = (
         8,
         "The DSL example of this page: circular, backward first, depth first, 4 microbatches in flight.",
     ),
+    Picture(
+        "helix.png", "helix", 4, 8,
+        "HelixPipe: blocks cut at attention; attention of a microbatch pair on the next rank; two-fold FILO, units recomputed.",
+        num_blocks=8,
+    ),
+    Picture(
+        "spipe.png", "spipe", 4, 4,
+        "SPipe: 8 forward stages, each backward split in 2 and placed round-robin from rank 0, recomputed from checkpoints.",
+        num_blocks=16,
+    ),
 )
 
 
@@ -81,6 +95,9 @@ def uniform_share_costs(num_ranks: int, stages_per_rank: int, num_microbatches: 
 def simulate_picture(picture: Picture) -> SimulationResult:
     """Build, simulate and return the step a picture shows."""
     schedule = resolve_schedule(picture.schedule)
+    if is_split_placement(schedule):
+        program = split_program(schedule, picture.num_ranks, picture.num_microbatches, picture.num_blocks or picture.num_ranks)
+        return simulate(program, split_share_costs(program, picture.num_ranks))
     program = schedule.build(picture.num_ranks, picture.num_microbatches)
     return simulate(program, uniform_share_costs(picture.num_ranks, schedule.stages_per_rank, picture.num_microbatches))
 

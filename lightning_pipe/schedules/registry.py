@@ -48,7 +48,7 @@ class ScheduleFamily:
 
 
 _FAMILIES: dict[str, ScheduleFamily] = {}
-_SPLIT_PLACEMENT = frozenset({"helix", "spipe"})  # programs built by functions, not registered (see docs/schedules.md)
+_SPLIT_PLACEMENT = frozenset({"helix", "spipe"})  # built per model by split_schedules.split_program, not registered
 
 
 def register_schedule(
@@ -106,10 +106,9 @@ def get_family(name: str) -> ScheduleFamily:
     except KeyError:
         if name in _SPLIT_PLACEMENT:
             raise ValueError(
-                f"schedule {name!r} puts one stage's actions on several ranks, which the strategy does not run yet: "
-                f"build it with lightning_pipe.schedules.{name}() and run it with "
-                "lightning_pipe.runtime.split_executor.SplitPlacementExecutor, or train with 1f1b, zb_h1 or "
-                "interleaved_1f1b"
+                f"schedule {name!r} puts one stage's actions on several ranks and its stage count follows the model: "
+                f"train with ElasticPipelineStrategy(schedule={name!r}), or build its program with "
+                "lightning_pipe.schedules.split_program(schedule, num_ranks, num_microbatches, num_blocks)"
             ) from None
         raise ValueError(
             f"unknown schedule {name!r}; valid names: {', '.join(available_schedules())} "

@@ -11,11 +11,15 @@ from typing import Any
 
 from . import dsl
 from .registry import Schedule, available_schedules, get_family
+from .split_schedules import check_split_options, is_split_placement
 
 __all__ = ["resolve_schedule"]
 
 
 def _schedule_for_family(name: str, options: Mapping[str, Any]) -> Schedule:
+    if is_split_placement(name):  # built per model (split_schedules.py), not through the registry
+        check_split_options(name, options)
+        return Schedule(name, 1, dict(options))
     family = get_family(name)
     options = dict(options)
     stages_per_rank = int(options.pop("stages_per_rank", family.stages_per_rank))
@@ -48,7 +52,7 @@ def resolve_schedule(spec: Any) -> Schedule:
         return spec
     if isinstance(spec, str):
         text = spec.strip()
-        if text.lower() in available_schedules():
+        if text.lower() in available_schedules() or is_split_placement(text.lower()):
             return _schedule_for_family(text.lower(), {})
         if "=" not in text:
             get_family(text)  # raises with the valid names

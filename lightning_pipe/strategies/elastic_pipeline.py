@@ -96,6 +96,7 @@ from lightning_pipe.strategies.auto_plan import PlanMode, check_plan_mode, insta
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.optimizer_checks import check_optimizers
 from lightning_pipe.strategies.regrouping import Regrouping
+from lightning_pipe.strategies.split_step import SplitPlacement
 from lightning_pipe.runtime.regroup import LayoutExecutor
 from lightning_pipe.strategies.precision import install_global_norm_clipping
 
@@ -113,7 +114,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             data parallel. None: all processes form one pipeline.
         num_microbatches: microbatches per batch; None: twice the number of pipeline ranks.
         schedule: a family name (``"1f1b"``, ``"gpipe"``, ...), a DSL spec (text or dict), or a
-            :class:`~lightning_pipe.schedules.Schedule`.
+            :class:`~lightning_pipe.schedules.Schedule`. ``"helix"`` (HelixPipe) and ``"spipe"`` (SPipe,
+            with ``start_method="fork"``) run one stage on several ranks (``strategies/split_step.py``;
+            what they refuse: docs/schedules.md).
         blocks: dotted path of the repeated block stack (``"model.layers"``); None: auto-detect.
         partition: ``"uniform"`` (equal block counts), ``"balanced"`` (by parameter count), the
             number of blocks of each stage (``[3, 3, 2]``), or ``"auto"``: before the first step, the
@@ -266,6 +269,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._pipeline_parallel_size = pipeline_parallel_size
         self._num_microbatches = num_microbatches
         self.schedule: Schedule = resolve_schedule(schedule)
+        self.split_placement = SplitPlacement.create(self.schedule, locals())  # helix / spipe (split_step.py)
         self.regrouping = _regrouping(elastic_depth, locals())
         self._blocks = blocks
         self._partition_spec = partition
@@ -484,6 +488,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             )
         self._check_time_major(module)
         self._check_sample_mixing(module, self.num_microbatches if self._num_microbatches else 2)
+        if self.split_placement is not None:
+            return self.split_placement.validate_module(self, module)
         if is_overridden("configure_model", module):
             return
         stack = find_blocks(module, self._blocks)
@@ -508,6 +514,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             )
 
     def _shard(self, trainer: Any) -> None:
+        if self.split_placement is not None:
+            return self.split_placement.setup(self)
         module = self.lightning_module
         stack = find_blocks(module, self._blocks)
         self.unit_layout = analyze_units(module, stack)
@@ -684,6 +692,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         Returns:
             What this rank moved (no transfers when only the schedule's order or microbatches changed).
         """
+        if self.split_placement is not None:
+            self.split_placement.refuse_plan()
         old_holders = holders_of(self.unit_layout, self._unit_owners())
         self._install(plan)
         report = self._move(self.unit_layout, old_holders)
@@ -998,6 +1008,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             rank_zero_warn(f"{what} (`allow_sample_mixing=True`).")
 
     def _run(self, step_name: str, args: tuple, train: bool) -> Any:
+        if self.split_placement is not None:
+            return self.split_placement.run(self, step_name, args, train)
         run_started = time.perf_counter()
         batch, rest = args[0], args[1:]
         split = self.split_batch(batch, train=train)
@@ -1246,6 +1258,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         return [p for group in optimizer.param_groups for p in group["params"] if p.device.type != "meta"]
 
     def _synchronize_gradients(self, optimizer: Optimizer) -> None:
+        if self.split_placement is not None:
+            return self.split_placement.synchronize_gradients(self, optimizer)
         self._sum_shared_gradients()
         collectives.average_gradients(
             self._owned_parameters(optimizer), self.groups.data_parallel, self.layout.data_parallel_size,
@@ -1255,6 +1269,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.regrouping.sum_gradients(self._owned_parameters(optimizer), self.program, self.global_rank)
 
     def _global_gradient_norm(self, grads: list[Tensor]) -> Tensor:
+        if self.split_placement is not None:
+            return self.split_placement.global_norm(self, grads)
         counted_twice = {  # a shared parameter's gradient counts once, on its lowest holder
             id(p.grad) for p, holders in self._shared if p is not None and holders[0] != self.layout.pipeline_rank
         }

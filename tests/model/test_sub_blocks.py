@@ -111,3 +111,24 @@ def test_a_size_fixed_by_the_example_is_refused_with_what_to_do():
 def test_blocks_that_cannot_be_cut_are_refused(block, reason):
     with pytest.raises(BlockNotSplittable, match=reason):
         split_block_at_attention(block, (torch.randn(2, 6, 8),))
+
+
+def test_chunked_mlp_runs_post_attentions_mlp_in_sequence_chunks():
+    """HelixPipe's chunked MLP: the MLP part of the post-attention graph runs chunk by chunk (same values
+    up to summation order, same parameters, gradients too); a block without such a submodule is refused."""
+    torch.manual_seed(0)
+    block = GPT(n_layer=2, n_embd=32, n_head=4).double().blocks[0]
+    units = split_block_at_attention(block, (torch.randn(2, 8, 32, dtype=torch.float64),))
+    chunked = units.chunk_mlp(3)
+    calls = []
+    chunked.post.chunked_mlp.inner.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[-2]))
+    x = torch.randn(2, 10, 32, dtype=torch.float64, requires_grad=True)
+    attention_inputs, carried = units.run_pre(x)
+    out = units.run_attention(*attention_inputs)
+    whole, pieces = units.run_post(out, *carried), chunked.run_post(out, *carried)
+    assert calls == [3, 3, 3, 1]
+    torch.testing.assert_close(pieces, whole, atol=1e-14, rtol=0)
+    grads = [torch.autograd.grad(y.pow(2).sum(), block.mlp.c_fc.weight)[0] for y in (whole, pieces)]
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-13, rtol=0)
+    with pytest.raises(ValueError, match="no submodule named \\['ffn'\\]"):
+        units.chunk_mlp(3, names=("ffn",))

@@ -39,3 +39,15 @@ def test_list_and_auto(capsys):
     assert "families: 1f1b, gpipe, interleaved_1f1b, looped_bfs, zb_h1, zbv" in capsys.readouterr().out
     assert main(["auto", "--ranks", "2", "-m", "4", "--memory-limit", "2", "--top", "3"]) == 0
     assert "makespan" in capsys.readouterr().out
+
+
+def test_split_placement_is_drawn_and_priced_given_the_blocks(capsys):
+    assert main(["show", "helix", "--ranks", "4", "--blocks", "8", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("helix") and "4 ranks, 17 stages placed per microbatch, 8 microbatches" in out
+    assert "bubble ratio 20.5%" in out  # the gallery's picture
+    assert main(["show", "helix", "--stages", "17", "-m", "8"]) == 2
+    assert "pass --ranks and --blocks" in capsys.readouterr().err
+    assert main(["auto", "--ranks", "4", "-m", "8", "--blocks", "16", "--attention-share", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert "helix" in out and "spipe:v=2" in out
