@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_pipe.planning.chunk_memory import ChunkMemory
@@ -160,8 +160,6 @@ def group_sequences(
     base = PlannedChunks(pieces, slices, chunks.sequence_lengths)
     delta = pipeline_delta_seconds(cost_model, boundaries, base) if objective == "recompute" else 0.0
 
-    solved: dict[tuple[int, int], tuple[float, float, MemoryPlan | None]] = {}
-
     def price(a: int, b: int) -> tuple[float, float, MemoryPlan | None]:
         """Objective, recompute seconds and memory plan of one pipeline of classes ``a .. b - 1``."""
         g0, g1, m0, m1 = first_group[a], first_group[b], first_mb[a], first_mb[b]
@@ -179,36 +177,20 @@ def group_sequences(
         return value, result.recompute_seconds, None if result.plan.is_empty else result.plan
 
     limit = len(counts) if max_pipelines is None else max(1, int(max_pipelines))
-    # best[j][p]: cheapest schedule of classes 0 .. j - 1 in p pipelines; back[j][p]: where the last one starts
-    best = [[math.inf] * (limit + 1) for _ in range(len(counts) + 1)]
-    back = [[-1] * (limit + 1) for _ in range(len(counts) + 1)]
-    best[0][0] = 0.0
-    for j in range(1, len(counts) + 1):
-        for i in range(j):
-            # useful only from a reachable state that leaves a pipeline for the classes after j
-            if not any(math.isfinite(best[i][p]) and (j == len(counts) or p + 1 < limit) for p in range(limit)):
-                continue
-            key = (i, j)
-            if key not in solved:
-                solved[key] = price(i, j)
-            value = solved[key][0]
-            for p in range(limit):
-                if best[i][p] + value < best[j][p + 1]:
-                    best[j][p + 1] = best[i][p] + value
-                    back[j][p + 1] = i
-    total = min(best[len(counts)])
+    solved: dict[tuple[int, int], tuple[float, float, MemoryPlan | None]] = {}
+
+    def cost(a: int, b: int) -> float:
+        if (a, b) not in solved:
+            solved[(a, b)] = price(a, b)
+        return solved[(a, b)][0]
+
+    total, ranges = _cheapest_segmentation(len(counts), limit, cost)
     if not math.isfinite(total):
         raise MemoryBudgetError(
             f"No grouping of the batch's {len(slices)} sequence groups (chunk counts {counts}) into at most {limit} "
             f"pipelines fits the budget of {budget:.4g} bytes per device with {list(options)}: slice the sequences "
             "finer (more slices, a smaller `max_tokens`), use more pipeline stages, or raise the budget."
         )
-    ranges, j, p = [], len(counts), best[len(counts)].index(total)
-    while j > 0:
-        i = back[j][p]
-        ranges.append((i, j))
-        j, p = i, p - 1
-    ranges.reverse()
     entries: dict[tuple[int, int], object] = {}
     default = None
     values, recomputes = [], []
@@ -227,6 +209,39 @@ def group_sequences(
         grouped, memory, total, tuple(values), tuple(recomputes), delta, order, len(solved),
         time.perf_counter() - started,
     )
+
+
+def _cheapest_segmentation(
+    num_classes: int, limit: int, cost: Callable[[int, int], float]
+) -> tuple[float, list[tuple[int, int]]]:
+    """The split of classes ``0 .. num_classes - 1`` into at most ``limit`` consecutive ranges with the
+    smallest summed ``cost(start, stop)`` (Eq. 14's dynamic program), and those ranges in order;
+    ``(inf, [])`` when no split has a finite cost. ``cost`` is asked only for ranges that can extend a
+    reachable split."""
+    # best[j][p]: cheapest split of classes 0 .. j - 1 in p ranges; back[j][p]: where the last one starts
+    best = [[math.inf] * (limit + 1) for _ in range(num_classes + 1)]
+    back = [[-1] * (limit + 1) for _ in range(num_classes + 1)]
+    best[0][0] = 0.0
+    for j in range(1, num_classes + 1):
+        for i in range(j):
+            # useful only from a reachable state that leaves a range for the classes after j
+            if not any(math.isfinite(best[i][p]) and (j == num_classes or p + 1 < limit) for p in range(limit)):
+                continue
+            value = cost(i, j)
+            for p in range(limit):
+                if best[i][p] + value < best[j][p + 1]:
+                    best[j][p + 1] = best[i][p] + value
+                    back[j][p + 1] = i
+    total = min(best[num_classes])
+    if not math.isfinite(total):
+        return total, []
+    ranges, j, p = [], num_classes, best[num_classes].index(total)
+    while j > 0:
+        i = back[j][p]
+        ranges.append((i, j))
+        j, p = i, p - 1
+    ranges.reverse()
+    return total, ranges
 
 
 def _groups(chunks: PlannedChunks) -> list[tuple[int, tuple[int, ...]]]:

@@ -326,6 +326,10 @@ def decide_depth(
 ) -> DepthDecision:
     """FMOP for the coming batch: keep, memory plan, grow or shrink (Algorithm 1, lines 28-37).
 
+    About 85 lines: Algorithm 1's decision in one piece and in the paper's order (depths to search,
+    the bounded search per depth, then cases A to D), so that it reads against the paper line by
+    line; its closures share the search's running best.
+
     Args:
         estimator: the coming batch's estimators.
         current: the layout in use (``S' Pi_G'``).
@@ -403,17 +407,8 @@ def decide_depth(
 
     def decision(action: str, layout: Layout, plan: MemoryPlanCost, seconds: float, reason: str) -> DepthDecision:
         migration = 0.0 if layout == current else estimator.migration_seconds(current, layout)
-        return DepthDecision(
-            action,
-            layout,
-            plan,
-            seconds,
-            current_seconds if fits_now else math.inf,
-            migration,
-            needed,
-            count,
-            reason,
-        )
+        before = current_seconds if fits_now else math.inf
+        return DepthDecision(action, layout, plan, seconds, before, migration, needed, count, reason)
 
     if fits_now:
         if best is None or value >= current_seconds:  # A and B

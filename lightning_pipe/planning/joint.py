@@ -42,13 +42,13 @@ Pure: numpy/scipy and ``schedules``; no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +68,8 @@ from lightning_pipe.planning.memory_planner import MemoryBudgetError, plan_memor
 from lightning_pipe.planning.microbatching import (
     balance_microbatch_sizes,
     even_microbatch_sizes,
-    padded_microbatch_sizes,
     microbatch_shapes,
+    padded_microbatch_sizes,
     sample_costs,
 )
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
@@ -420,44 +420,7 @@ def plan_joint(
     if cache is not None:
         cache.bind(cost_model, given_profile, config)  # None: the profile is a function of the cost model
     search = _JointSearch(cost_model, profile, num_ranks, None if budget is None else float(budget), config, cache)
-    per_sample = sample_costs(lengths, cost_model)
-    groups = []
-    chunkings = _chunkings(cost_model, lengths, config)
-    for spec in config.families:
-        schedule = resolve_schedule(spec)
-        if is_split_placement(schedule):  # docs/joint-planning.md: why split placement is not a candidate
-            raise ValueError(
-                f"`JointConfig.families` lists {schedule.name!r}: the joint planner's bounds and batch simulation price "
-                "stages placed whole on one rank, and the strategy cannot switch into or out of split placement "
-                f"between batches. Train with `schedule={schedule.name!r}` directly, or leave it out of the families."
-            )
-        if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
-            continue
-        for count in config.counts(num_ranks):
-            splits: dict[tuple[MicrobatchShape, ...], tuple[tuple[int, ...], str]] = {}
-            for mode in config.microbatching:
-                if mode == EVEN:
-                    shapes = tuple(_unsized_shapes(lengths, count, num_ranks, config))
-                    sizes = tuple(shape.num_sequences for shape in shapes)
-                else:
-                    sizes = balance_microbatch_sizes(per_sample, count)
-                    shapes = tuple(_priced_shapes(lengths, sizes, config.padded))
-                splits.setdefault(shapes, (sizes, mode))  # balanced == even: price once
-            for shapes, (sizes, mode) in splits.items():
-                if not _runs(schedule, num_ranks, len(sizes)):
-                    continue
-                groups.append(search.group(schedule, sizes, mode, shapes))
-        for chunks in chunkings:  # packed (and sliced) chunks, priced by their pieces
-            if chunks.is_sliced and schedule.name != "1f1b":
-                continue  # slices run as sliced 1F1B (backward last slice first)
-            if not chunks.is_sliced and not _runs(schedule, num_ranks, chunks.num_microbatches):
-                continue
-            program = None
-            if chunks.is_sliced:
-                draft = PipelinePlan((0, cost_model.num_blocks), schedule, chunks.num_microbatches, chunks=chunks)
-                program = chunk_program(draft, num_ranks)
-            label = f"{CHUNKS}(N={_slice_number(chunks)})"
-            groups.append(search.group(schedule, (), label, tuple(chunks.shapes), chunks, program))
+    groups = _candidate_groups(search, cost_model, lengths, num_ranks, config)
     # Branch and bound over the (family, microbatching) groups, the most promising first (the best
     # partition a quick local search finds): a group whose lower bound is above the best step plus
     # migration found cannot hold the choice (memory plans and moves only add time), and a group's
@@ -497,6 +460,52 @@ def plan_joint(
         best.plan, best.step_seconds, lower, max(gap, 0.0), tuple(candidates), time.perf_counter() - started,
         moves[id(best)],
     )
+
+
+def _candidate_groups(
+    search: _JointSearch, cost_model: CostModel, lengths: Sequence[int], num_ranks: int, config: JointConfig
+) -> list[_Group]:
+    """One search group per (family, microbatching) the configuration allows and the family builds:
+    even and cost-balanced counts, then packed (and sliced) chunkings."""
+    per_sample = sample_costs(lengths, cost_model)
+    groups = []
+    chunkings = _chunkings(cost_model, lengths, config)
+    for spec in config.families:
+        schedule = resolve_schedule(spec)
+        if is_split_placement(schedule):  # docs/joint-planning.md: why split placement is not a candidate
+            raise ValueError(
+                f"`JointConfig.families` lists {schedule.name!r}: the joint planner's bounds and batch simulation price "
+                "stages placed whole on one rank, and the strategy cannot switch into or out of split placement "
+                f"between batches. Train with `schedule={schedule.name!r}` directly, or leave it out of the families."
+            )
+        if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
+            continue
+        for count in config.counts(num_ranks):
+            splits: dict[tuple[MicrobatchShape, ...], tuple[tuple[int, ...], str]] = {}
+            for mode in config.microbatching:
+                if mode == EVEN:
+                    shapes = tuple(_unsized_shapes(lengths, count, num_ranks, config))
+                    sizes = tuple(shape.num_sequences for shape in shapes)
+                else:
+                    sizes = balance_microbatch_sizes(per_sample, count)
+                    shapes = tuple(_priced_shapes(lengths, sizes, config.padded))
+                splits.setdefault(shapes, (sizes, mode))  # balanced == even: price once
+            for shapes, (sizes, mode) in splits.items():
+                if not _runs(schedule, num_ranks, len(sizes)):
+                    continue
+                groups.append(search.group(schedule, sizes, mode, shapes))
+        for chunks in chunkings:  # packed (and sliced) chunks, priced by their pieces
+            if chunks.is_sliced and schedule.name != "1f1b":
+                continue  # slices run as sliced 1F1B (backward last slice first)
+            if not chunks.is_sliced and not _runs(schedule, num_ranks, chunks.num_microbatches):
+                continue
+            program = None
+            if chunks.is_sliced:
+                draft = PipelinePlan((0, cost_model.num_blocks), schedule, chunks.num_microbatches, chunks=chunks)
+                program = chunk_program(draft, num_ranks)
+            label = f"{CHUNKS}(N={_slice_number(chunks)})"
+            groups.append(search.group(schedule, (), label, tuple(chunks.shapes), chunks, program))
+    return groups
 
 
 @functools.lru_cache(maxsize=256)

@@ -20,7 +20,7 @@ from .ir import Action, ActionType, Program
 from .lowering import Message, _produces, is_communication, message_key, message_of, recv_of, send_of
 from .split_placement import first_backward_flags, split_messages
 
-__all__ = ["ScheduleError", "validate", "format_grid"]
+__all__ = ["ScheduleError", "format_grid", "validate"]
 
 _F, _B, _I, _W = (ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
 _RECOMPUTE = ActionType.RECOMPUTE
@@ -269,14 +269,26 @@ def _check_order(program: Program) -> None:
 
 
 def _check_matching_and_deadlock(program: Program) -> None:
+    comms, sends, recvs = _communications(program)
+    _check_matching(program, sends, recvs)
+    _check_deadlock(program, comms)
+
+
+_Key = tuple[int, int, int]  # a message: (sending stage, receiving stage, microbatch)
+_Rows = list[list[tuple[bool, _Key] | None]]
+_ByPair = dict[tuple[int, int], list[tuple[_Key, int]]]
+
+
+def _communications(program: Program) -> tuple[_Rows, _ByPair, _ByPair]:
+    """Per rank, (is_receive, message key) of each action (None for computation); and the sends and
+    receives (key, step) per (sending rank, receiving rank), in program order."""
     rank_of = program.stage_to_rank
     split = program.pair_ranks is not None
-    # Per rank: (is_receive, message key) for communication actions, None for the others.
-    comms: list[list[tuple[bool, tuple[int, int, int]] | None]] = []
-    sends: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}
+    comms: _Rows = []
+    sends: _ByPair = {}
+    recvs: _ByPair = {}
     for rank, actions in enumerate(program.actions):
-        row: list[tuple[bool, tuple[int, int, int]] | None] = []
+        row: list[tuple[bool, _Key] | None] = []
         for step, a in enumerate(actions):
             kind = a.type
             if is_communication(kind):
@@ -294,6 +306,11 @@ def _check_matching_and_deadlock(program: Program) -> None:
             else:
                 row.append(None)
         comms.append(row)
+    return comms, sends, recvs
+
+
+def _check_matching(program: Program, sends: _ByPair, recvs: _ByPair) -> None:
+    """Between two ranks, the k-th send and the k-th receive carry the same message."""
     for pair in sorted(set(sends) | set(recvs)):
         out, into = sends.get(pair, []), recvs.get(pair, [])
         for k in range(max(len(out), len(into))):
@@ -322,6 +339,10 @@ def _check_matching_and_deadlock(program: Program) -> None:
                     pair[1],
                     into[k][1],
                 )
+
+
+def _check_deadlock(program: Program, comms: _Rows) -> None:
+    """Every rank reaches its end when each receive waits only for its send to be issued."""
     # Deadlock: advance every rank as far as it can; a receive waits for its send to be issued.
     issued: set[tuple[int, int, int]] = set()
     pointer = [0] * program.num_ranks

@@ -234,38 +234,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         super().__init__()
         check_plan_mode(plan, recompute, offload)
         self._plan_mode = plan
-        check_loss_weights(loss_weights)
-        self.packer: Packer | None = Packer() if packing is True else (packing or None)
-        if self.packer is not None and not isinstance(self.packer, Packer):
-            raise TypeError(f"`packing` must be a bool or a `Packer`, got {type(packing).__name__}.")
-        if self.packer is not None and loss_weights == "samples":
-            raise ValueError(
-                "`packing` puts several sequences in one microbatch row, so `loss_weights='samples'` cannot weight "
-                "them: use `loss_weights='auto'` (counted tokens) or turn `packing` off."
-            )
-        if self.packer is not None and optimizer_offload and loss_weights == "auto":
-            target = "shift_labels" if self.packer.slicing else "labels"
-            raise ValueError(
-                "`packing` with `optimizer_offload=True`: the stage optimizers step during backward, before the packed "
-                "microbatches' counted targets are known, so `loss_weights='auto'` cannot weight them. Pass "
-                f"`loss_weights=lambda mb: (mb['{target}'] != -100).sum()` (the targets each packed row counts), "
-                "or turn `optimizer_offload` off."
-            )
+        self.packer = _check_arguments(locals())
         self._packing_checked = False  # a microbatch packing two sequences was checked
         self._slicing_checked = False  # a sliced sequence was checked
-        if ranks_per_device < 1:
-            raise ValueError(f"`ranks_per_device` must be at least 1, got {ranks_per_device}.")
-        if ranks_per_device > 1 and process_group_backend == "nccl":
-            raise ValueError(
-                f"`ranks_per_device={ranks_per_device}` shares one device between ranks, which NCCL refuses "
-                "('Duplicate GPU detected'). Leave `process_group_backend` unset (gloo is used) or use one rank per device."
-            )
-        if pipeline_parallel_size is not None and pipeline_parallel_size < 1:
-            raise ValueError(f"`pipeline_parallel_size` must be at least 1, got {pipeline_parallel_size}.")
-        if num_microbatches is not None and num_microbatches < 1:
-            raise ValueError(f"`num_microbatches` must be at least 1, got {num_microbatches}.")
-        if isinstance(partition, str) and partition not in ("uniform", "balanced", "auto"):
-            raise ValueError(f"`partition={partition!r}`: use 'uniform', 'balanced', 'auto' or a list of blocks per stage.")
         self._pipeline_parallel_size = pipeline_parallel_size
         self._num_microbatches = num_microbatches
         self.schedule: Schedule = resolve_schedule(schedule)
@@ -315,11 +286,6 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._warned_sizes: set[tuple] = set()  # (sizes, batch size) pairs already warned about
         self._proposals: list[PlanProposal] = []
         self.last_application: PlanApplication | None = None  # how the latest step's plan was merged and applied
-        if async_save and not save_distributed_checkpoint:
-            raise ValueError(
-                "`async_save=True` writes sharded checkpoints on a background thread; it needs "
-                "`save_distributed_checkpoint=True` (a consolidated file is gathered on rank 0 in the step)."
-            )
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self.sharded_checkpoints = ShardedCheckpoints(asynchronous=async_save)
 
@@ -1414,6 +1380,52 @@ class ElasticPipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "elastic_pipe", cls, description="Pipeline parallelism for unchanged LightningModules (lightning-pipe)"
         )
+
+
+def _check_arguments(arguments: dict[str, Any]) -> Packer | None:
+    """Refuse combinations of :class:`ElasticPipelineStrategy` arguments that cannot run, before any
+    process starts, saying what to change; returns the strategy's packer (None: no packing)."""
+    loss_weights, packing, optimizer_offload = arguments["loss_weights"], arguments["packing"], arguments["optimizer_offload"]
+    ranks_per_device, process_group_backend = arguments["ranks_per_device"], arguments["process_group_backend"]
+    pipeline_parallel_size, num_microbatches = arguments["pipeline_parallel_size"], arguments["num_microbatches"]
+    partition, async_save = arguments["partition"], arguments["async_save"]
+    save_distributed_checkpoint = arguments["save_distributed_checkpoint"]
+    check_loss_weights(loss_weights)
+    packer: Packer | None = Packer() if packing is True else (packing or None)
+    if packer is not None and not isinstance(packer, Packer):
+        raise TypeError(f"`packing` must be a bool or a `Packer`, got {type(packing).__name__}.")
+    if packer is not None and loss_weights == "samples":
+        raise ValueError(
+            "`packing` puts several sequences in one microbatch row, so `loss_weights='samples'` cannot weight "
+            "them: use `loss_weights='auto'` (counted tokens) or turn `packing` off."
+        )
+    if packer is not None and optimizer_offload and loss_weights == "auto":
+        target = "shift_labels" if packer.slicing else "labels"
+        raise ValueError(
+            "`packing` with `optimizer_offload=True`: the stage optimizers step during backward, before the packed "
+            "microbatches' counted targets are known, so `loss_weights='auto'` cannot weight them. Pass "
+            f"`loss_weights=lambda mb: (mb['{target}'] != -100).sum()` (the targets each packed row counts), "
+            "or turn `optimizer_offload` off."
+        )
+    if ranks_per_device < 1:
+        raise ValueError(f"`ranks_per_device` must be at least 1, got {ranks_per_device}.")
+    if ranks_per_device > 1 and process_group_backend == "nccl":
+        raise ValueError(
+            f"`ranks_per_device={ranks_per_device}` shares one device between ranks, which NCCL refuses "
+            "('Duplicate GPU detected'). Leave `process_group_backend` unset (gloo is used) or use one rank per device."
+        )
+    if pipeline_parallel_size is not None and pipeline_parallel_size < 1:
+        raise ValueError(f"`pipeline_parallel_size` must be at least 1, got {pipeline_parallel_size}.")
+    if num_microbatches is not None and num_microbatches < 1:
+        raise ValueError(f"`num_microbatches` must be at least 1, got {num_microbatches}.")
+    if isinstance(partition, str) and partition not in ("uniform", "balanced", "auto"):
+        raise ValueError(f"`partition={partition!r}`: use 'uniform', 'balanced', 'auto' or a list of blocks per stage.")
+    if async_save and not save_distributed_checkpoint:
+        raise ValueError(
+            "`async_save=True` writes sharded checkpoints on a background thread; it needs "
+            "`save_distributed_checkpoint=True` (a consolidated file is gathered on rank 0 in the step)."
+        )
+    return packer
 
 
 def _regrouping(enabled: bool, arguments: dict[str, Any]) -> Regrouping | None:
