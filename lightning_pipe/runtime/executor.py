@@ -37,6 +37,7 @@ from torch import Tensor
 from lightning_pipe.model.loss_counting import LossCounter, LossRecord
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
+from lightning_pipe.runtime._torch_compat import tree_map
 from lightning_pipe.runtime.failures import PeerFailure
 from lightning_pipe.runtime.instructions import run_instruction
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
@@ -246,8 +247,7 @@ class PipelineExecutor:
         slot = _Slot(result)
         self._slots[(stage, mb)] = slot
         if span.is_last:
-            outcome.step_outputs[mb] = result.step_output
-            outcome.logs[mb] = result.logs
+            record = None
             if self._work.loss_scales is not None:
                 slot.loss = _extract_loss(result.step_output, self._work.step_name)
                 outcome.losses[mb] = slot.loss.detach()
@@ -258,6 +258,7 @@ class PipelineExecutor:
                 if self._work.loss_weight is not None:
                     slot.weight = self._work.loss_weight(mb, record)
                     outcome.loss_weights[mb] = slot.weight
+            outcome.step_outputs[mb], outcome.logs[mb] = _without_graph(result.step_output, result.logs, record)
         elif self._program.rank_of(stage + 1) == self.pipeline_rank:
             self._local_activations[(stage + 1, mb)] = result.outputs
 
@@ -405,6 +406,28 @@ def _release(slot: _Slot) -> None:
     slot.loss = None
     slot.output_grads = None
     slot.weight_pass = None
+
+
+def _without_graph(step_output: Any, logs: list[LogCall], record: LossRecord | None) -> tuple[Any, list[LogCall]]:
+    """The step's output and logged values, detached (same values; ``record``'s logged keys re-made).
+
+    Kept until the step ends, they must not keep the microbatch's autograd graph alive: a full
+    backward frees the saved tensors anyway, but a split backward (I keeps the graph for W, and W
+    visits only the weights' nodes) leaves the rest of them to be freed with the graph itself.
+    """
+    made: dict[int, Tensor] = {}  # one detached tensor per tensor (a value logged twice stays one object)
+
+    def detach(value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if id(value) not in made:
+            made[id(value)] = value.detach()
+        return made[id(value)]
+
+    detached = [LogCall(call.name, detach(call.value), call.kwargs) for call in logs]
+    if record is not None:
+        record.logged = {id(made[key]) if key in made else key: traced for key, traced in record.logged.items()}
+    return tree_map(detach, step_output), detached
 
 
 def _maybe_loss(step_output: Any) -> Any:

@@ -52,18 +52,19 @@ import logging
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_pipe.model import StageRunner, analyze_units, find_blocks
+from lightning_pipe.model import StageRunner, analyze_units, find_blocks, move_real_tensors
 from lightning_pipe.model._torch_compat import tree_flatten
 from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.runtime import PointToPoint, collectives
 from lightning_pipe.runtime.executor import StepOutcome
 from lightning_pipe.runtime.helix import StepHelixStages, capture_block_call, helix_holdings, split_stack
+from lightning_pipe.runtime.loss_weights import DeferredNormalization, raw_weight, upfront_weights
 from lightning_pipe.runtime.migration import migrate
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers
-from lightning_pipe.runtime.loss_weights import DeferredNormalization, raw_weight, upfront_weights
 from lightning_pipe.runtime.spipe import StepSPipeStages, check_shared_parameters
 from lightning_pipe.runtime.split_executor import SplitPlacementExecutor
 from lightning_pipe.runtime.split_step import LastStageRecorder, check_last_stage, run_split_step
@@ -189,13 +190,26 @@ class SplitPlacement:
         strategy.boundaries = tuple(strategy.default_boundaries(strategy.pipeline_parallel_size))
         strategy.program, strategy.eval_program, strategy.spans = program, None, {}
         strategy._trim_padding = False  # microbatches run uncut (exact; the trimming check needs the 1F1B runtime)
-        module.to(strategy.root_device)
+        if self.sharded and module.trainer.state.fn == TrainerFn.FITTING:
+            raise RuntimeError(
+                "`trainer.fit` again in the processes where schedule='helix' already cut and sharded the module (each "
+                "rank holds only its units' parameters, which a new optimizer cannot cover): resume from a "
+                "checkpoint in a new run instead (`ckpt_path=`)."
+            )
+        move_real_tensors(module, strategy.root_device)  # a module sharded by an earlier call keeps its meta parameters
         strategy.runner = StageRunner(module, stack, device=strategy.root_device)
         strategy.executor = None
         strategy._shared = []
         strategy.metric_states = MetricStates(module, strategy.groups.data_parallel)
-        self.program, self.stages, self._owners = program, None, None
         self.p2p = PointToPoint(strategy.groups.pipeline, timeout=strategy._timeout)
+        if self.sharded:  # validate/test/predict after fit in the same processes: the module stays cut
+            self.stages.runner = strategy.runner
+            layout = strategy.layout
+            self.executor = SplitPlacementExecutor(
+                self.stages, self.p2p, layout.pipeline_ranks(), layout.pipeline_rank, strategy.root_device
+            )
+            return
+        self.program, self.stages, self._owners, self.executor = program, None, None, None
 
     def _prepare(self, strategy: Any, step_name: str, example: tuple) -> None:
         """On the first training batch: the stages (helix: blocks cut at their attention, captured with the

@@ -181,3 +181,26 @@ def test_helix_keeps_the_module_whole_where_a_parameter_would_be_needed_on_two_r
     assert_same_parameters(pipelined, reference, atol=1e-10)
     everything = {n for n, _ in reference.named_parameters()}
     assert [set(text.split()) for _, text in sorted(rank_files(tmp_path / "held").items())] == [everything] * 2
+
+
+def test_helix_predicts_through_the_pipeline_after_training(tmp_path):
+    """A script that trains then predicts in the same processes: the helix module, cut and sharded by
+    training (each rank holds only its units' parameters), predicts what one device predicts."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    outputs = {}
+    for mode in ("pipe", "one"):
+        (tmp_path / mode).mkdir()
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.helpers.fit_then_predict", str(tmp_path / mode), mode],
+            cwd=repo, capture_output=True, text=True, timeout=240, check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[mode] = torch.load(tmp_path / mode / "predictions.pt")
+    not_held = [int(text) for _, text in sorted(rank_files(tmp_path / "pipe" / "held").items())]
+    assert len(not_held) == 2 and min(not_held) > 0  # sharded: neither rank holds every parameter
+    assert [p.shape for p in outputs["pipe"]] == [p.shape for p in outputs["one"]] == [(4, 7, 32), (4, 11, 32)]
+    for got, want in zip(outputs["pipe"], outputs["one"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
