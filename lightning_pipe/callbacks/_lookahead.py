@@ -2,41 +2,49 @@
 
 Planners are pure computation (numpy, HiGHS), so they can run beside the step; the training thread
 joins the job before the next batch and gets the plan, or the planner's exception re-raised there.
+Jobs run on one worker thread per process, started with the first job: starting a thread per job
+cost the training thread about 2 ms a batch (``Thread.start`` waits until the new thread runs).
 """
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 Result = TypeVar("Result")
 
+_WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's lookahead thread (jobs of several planners run one after the other)."""
+    if not _WORKER:
+        _WORKER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-pipe-lookahead"))
+    return _WORKER[0]
+
 
 class LookaheadJob(Generic[Result]):
-    """``compute()`` for the batch described by ``key``, started on a daemon thread at once."""
+    """``compute()`` for the batch described by ``key``, queued on the lookahead thread at once."""
 
     def __init__(self, key: Any, compute: Callable[[], Result], name: str) -> None:
         self.key = key
-        self.result: Result | None = None
-        self.error: BaseException | None = None
+        self.name = name
         self.seconds = 0.0  # wall seconds ``compute`` took (known once joined)
-        self.thread = threading.Thread(target=self._run, args=(compute,), name=name, daemon=True)
-        self.thread.start()
+        self._future = _worker().submit(self._run, compute)
 
-    def _run(self, compute: Callable[[], Result]) -> None:
+    def _run(self, compute: Callable[[], Result]) -> Result:
         started = time.perf_counter()
         try:
-            self.result = compute()
-        except BaseException as error:  # noqa: BLE001  (re-raised in the training thread by join())
-            self.error = error
-        self.seconds = time.perf_counter() - started
+            return compute()
+        finally:
+            self.seconds = time.perf_counter() - started
 
     def join(self) -> Result:
         """Wait for the plan; raise the planner's error here if it failed."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
+        return self._future.result()
+
+    def wait(self) -> None:
+        """Wait for the job to end, whatever its outcome (training ends: nothing may run on)."""
+        concurrent.futures.wait([self._future])

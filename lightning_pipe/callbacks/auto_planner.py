@@ -278,7 +278,7 @@ class AutoPlanner(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Finish a plan still running in the background."""
         if self._job is not None:
-            self._job.thread.join()
+            self._job.wait()
             self._job = None
 
     # --- planning ------------------------------------------------------------------------------------

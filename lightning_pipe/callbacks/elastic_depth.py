@@ -182,7 +182,7 @@ class ElasticDepth(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Finish a decision still running in the background."""
         if self._job is not None:
-            self._job.thread.join()
+            self._job.wait()
             self._job = None
 
     def _measure(self, strategy: PipelineStrategy, batch_idx: int) -> None:

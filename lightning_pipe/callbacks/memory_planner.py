@@ -102,6 +102,10 @@ class MemoryPlanner(L.Callback):
         )
 
         def plan_for(draft: PipelinePlan) -> MemoryPlan:
+            with strategy.step_clock.measure("plan"):  # run while the strategy applies the plan: planning, not applying
+                return solve_for(draft)
+
+        def solve_for(draft: PipelinePlan) -> MemoryPlan:
             request = memory.memory_request(batch, (batch_idx,), self.budget, self.lengths, draft, **options)
             job, self._job = self._job, None
             solved = job.join() if job is not None and job.key == request else None
@@ -127,6 +131,6 @@ class MemoryPlanner(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Finish a plan still being solved in the background."""
         if self._job is not None:
-            self._job.thread.join()
+            self._job.wait()
             self._job = None
 

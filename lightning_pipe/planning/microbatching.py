@@ -13,6 +13,7 @@ Pure Python and numpy: no torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -180,7 +181,15 @@ def padded_microbatch_sizes(
     Raises:
         ValueError: for no samples, ``num_microbatches < 1`` or lengths not longest first.
     """
-    values = np.asarray([int(n) for n in lengths], dtype=float)
+    # cached: a batch is sized by its planners (as the next batch, then as the current one) and its step
+    return _padded_sizes(tuple(int(n) for n in lengths), num_microbatches, num_stages, cost)
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_sizes(
+    lengths: tuple[int, ...], num_microbatches: int, num_stages: int, cost: PaddedCost | None
+) -> tuple[int, ...]:
+    values = np.asarray(lengths, dtype=float)
     if values.size == 0 or num_microbatches < 1:
         raise ValueError(f"Need at least one sample and one microbatch, got {values.size} and {num_microbatches}.")
     if np.any(values[1:] > values[:-1]):

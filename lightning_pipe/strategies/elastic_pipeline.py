@@ -44,6 +44,7 @@ from lightning_pipe.model.observation import check_observation, layout_from_obse
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, ProcessGroups, RankLayout, StepWork, create_process_groups
 from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime.groups import destroy_default_group_at_exit
 from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.chunking import PlannedChunks, chunk_pieces
@@ -390,6 +391,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        destroy_default_group_at_exit()
         self.groups = create_process_groups(self.layout, timeout=self._timeout)
         if self.regrouping is not None:
             self.regrouping.create_groups(self.world_size, self._timeout)
@@ -584,8 +586,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def peek_next_batch(self) -> tuple[bool, Any]:
         """``(True, batch)`` for the training batch after the current one, as the dataloader yields it
         (not yet on the device; not consumed), or ``(False, None)`` (end of epoch). For planners that
-        plan batch ``k + 1`` while batch ``k`` runs."""
-        return compat.peek_next_training_batch(self.lightning_module.trainer)
+        plan batch ``k + 1`` while batch ``k`` runs. Fetching it counts as the step's ``data`` time
+        (the loop would load it after the step anyway), not as the planner's."""
+        with self.step_clock.measure("data"):
+            return compat.peek_next_training_batch(self.lightning_module.trainer)
 
     def default_boundaries(self, num_stages: int) -> tuple[int, ...]:
         """Boundaries for ``num_stages`` stages following the ``partition`` argument's rule.
@@ -645,7 +649,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.step_clock.reset()
         self.step_clock.fresh = False
         proposals, self._proposals = self._proposals, []
-        with self.step_clock.measure("plan"):
+        with self.step_clock.measure("apply"):
             self.last_application = apply_proposals(self, proposals, batch_idx)
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
@@ -1205,11 +1209,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
                     "pipelined forward and backward once per optimizer step and does not support optimizers that "
                     "re-evaluate the loss. Use a first-order optimizer (SGD, Adam, ...)."
                 )
-            closure_started = time.perf_counter()
-            result = closure()
-            with self.step_clock.measure("gradient_sync"):
-                self._synchronize_gradients(optimizer)
-            self.step_clock.add("optimizer", closure_started - time.perf_counter())  # the closure is not the optimizer's
+            with self.step_clock.aside():  # the closure (the pipelined step) is not the optimizer's
+                result = closure()
+                with self.step_clock.measure("gradient_sync"):
+                    self._synchronize_gradients(optimizer)
             return result
 
         with self.step_clock.measure("optimizer"):

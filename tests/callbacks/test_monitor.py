@@ -38,7 +38,7 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
     # the schedule's own idle time, from this step's compute (the ranks' clocks are aligned only to
     # within a few ms, so the measured step is not compared action by action here)
     assert len(simulated) == 4 and all(0.0 < s < 1.0 for s in simulated)
-    names = ("compute", "wait", "send", "between_actions", "plan", "prepare", "share_outcome", "gradient_sync", "optimizer",
+    names = ("compute", "wait", "send", "between_actions", "apply", "prepare", "share_outcome", "gradient_sync", "optimizer",
              "outside_program")
     parts = {p: logged(tmp_path, f"pipeline/time/{p}_s") for p in names}
     step_s = logged(tmp_path, "pipeline/step_s")
