@@ -37,7 +37,7 @@ from torch import Tensor
 from lightning_pipe.model.loss_counting import LossCounter, LossRecord
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
-from lightning_pipe.runtime._torch_compat import tree_map
+from lightning_pipe.runtime._torch_compat import tree_flatten
 from lightning_pipe.runtime.failures import PeerFailure
 from lightning_pipe.runtime.instructions import run_instruction
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
@@ -129,6 +129,7 @@ class _Slot:
     input_grads: list[Tensor] | None = None
     output_grads: list[Tensor | None] | None = None
     weight_pass: WeightPass | None = None
+    kept: list[Tensor] = field(default_factory=list)  # the step's output and logs holding the graph (last stage)
 
 
 class PipelineExecutor:
@@ -258,7 +259,8 @@ class PipelineExecutor:
                 if self._work.loss_weight is not None:
                     slot.weight = self._work.loss_weight(mb, record)
                     outcome.loss_weights[mb] = slot.weight
-            outcome.step_outputs[mb], outcome.logs[mb] = _without_graph(result.step_output, result.logs, record)
+            outcome.step_outputs[mb], outcome.logs[mb] = result.step_output, result.logs
+            slot.kept = _graph_holders(result.step_output, result.logs)
         elif self._program.rank_of(stage + 1) == self.pipeline_rank:
             self._local_activations[(stage + 1, mb)] = result.outputs
 
@@ -406,28 +408,24 @@ def _release(slot: _Slot) -> None:
     slot.loss = None
     slot.output_grads = None
     slot.weight_pass = None
+    for tensor in slot.kept:
+        try:
+            tensor.detach_()  # in place: the step's output and logs keep their identity and values
+        except RuntimeError:  # a view cannot be detached in place; its graph goes with the step
+            pass
+    slot.kept = []
 
 
-def _without_graph(step_output: Any, logs: list[LogCall], record: LossRecord | None) -> tuple[Any, list[LogCall]]:
-    """The step's output and logged values, detached (same values; ``record``'s logged keys re-made).
+def _graph_holders(step_output: Any, logs: list[LogCall]) -> list[Tensor]:
+    """The tensors of the step's output and logged values that hold the microbatch's autograd graph.
 
-    Kept until the step ends, they must not keep the microbatch's autograd graph alive: a full
-    backward frees the saved tensors anyway, but a split backward (I keeps the graph for W, and W
-    visits only the weights' nodes) leaves the rest of them to be freed with the graph itself.
+    They are kept until the step ends (log replay, loss records, which know them by identity), so
+    :func:`_release` detaches them in place once the microbatch's backward is done: a full backward
+    frees the saved tensors anyway, but a split backward (I keeps the graph for W, and W visits only
+    the weights' nodes) would leave the rest of them alive as long as anything holds the graph.
     """
-    made: dict[int, Tensor] = {}  # one detached tensor per tensor (a value logged twice stays one object)
-
-    def detach(value: Any) -> Any:
-        if not isinstance(value, Tensor):
-            return value
-        if id(value) not in made:
-            made[id(value)] = value.detach()
-        return made[id(value)]
-
-    detached = [LogCall(call.name, detach(call.value), call.kwargs) for call in logs]
-    if record is not None:
-        record.logged = {id(made[key]) if key in made else key: traced for key, traced in record.logged.items()}
-    return tree_map(detach, step_output), detached
+    values = [leaf for leaf in tree_flatten(step_output)[0]] + [call.value for call in logs]
+    return [v for v in values if isinstance(v, Tensor) and v.grad_fn is not None]
 
 
 def _maybe_loss(step_output: Any) -> Any:

@@ -37,7 +37,7 @@ class StepClock:
     background: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     fresh: bool = False
-    _open: list[str | None] = field(default_factory=list, repr=False)  # parts being measured (None: aside)
+    _open: list[str | None] = field(default_factory=list, init=False, repr=False)  # parts being measured (None: aside)
 
     def reset(self) -> None:
         """Start a new step."""
