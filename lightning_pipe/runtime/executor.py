@@ -250,7 +250,7 @@ class PipelineExecutor:
         if span.is_last:
             record = None
             if self._work.loss_scales is not None:
-                slot.loss = _extract_loss(result.step_output, self._work.step_name)
+                slot.loss = extract_loss(result.step_output, self._work.step_name)
                 outcome.losses[mb] = slot.loss.detach()
             if counter is not None:
                 returned = slot.loss if slot.loss is not None else _maybe_loss(result.step_output)
@@ -432,7 +432,8 @@ def _maybe_loss(step_output: Any) -> Any:
     return step_output.get("loss") if isinstance(step_output, Mapping) else step_output
 
 
-def _extract_loss(step_output: Any, step_name: str) -> Tensor:
+def extract_loss(step_output: Any, step_name: str) -> Tensor:
+    """The loss the user's step returned (the value, or its ``"loss"``), or an error saying what to return."""
     loss = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
     if not isinstance(loss, Tensor):
         raise RuntimeError(

@@ -48,7 +48,9 @@ stages' backwards (one optimizer, no clipping or accumulation, no weights tied a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,7 +62,7 @@ from lightning_pipe.model import StageRunner, analyze_units, find_blocks, move_r
 from lightning_pipe.model._torch_compat import tree_flatten
 from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.runtime import PointToPoint, collectives
-from lightning_pipe.runtime.executor import StepOutcome
+from lightning_pipe.runtime.executor import StepOutcome, extract_loss
 from lightning_pipe.runtime.helix import StepHelixStages, capture_block_call, helix_holdings, split_stack
 from lightning_pipe.runtime.loss_weights import DeferredNormalization, raw_weight, upfront_weights
 from lightning_pipe.runtime.migration import migrate
@@ -442,14 +444,6 @@ class SplitPlacement:
         )
 
 
-def _loss_of(step_name: str):
-    def loss(output: Any) -> Tensor:
-        value = output.get("loss") if isinstance(output, dict) else output
-        if not isinstance(value, Tensor):
-            raise RuntimeError(
-                f"`{step_name}` returned {type(output).__name__}; with pipeline parallelism it must return the loss "
-                "tensor or a dict with a 'loss' key on every step."
-            )
-        return value
-
-    return loss
+def _loss_of(step_name: str) -> Callable[[Any], Tensor]:
+    """Picks the loss from what ``step_name`` returns (the same rule and message as the executor's)."""
+    return functools.partial(extract_loss, step_name=step_name)
