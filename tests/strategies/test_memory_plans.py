@@ -224,13 +224,15 @@ def test_predicted_saved_peak_matches_measured(tmp_path, schedule):
             assert row["predicted"] == pytest.approx(row["measured"], rel=0.10)
 
 
-def test_split_backward_keeps_activations_from_i_to_w_only(tmp_path):
-    """zb_h1 keeps a microbatch's saved activations from its forward to its W, on the last stage too
-    (nothing the step returns or logs keeps the microbatch's graph, and with it what W does not visit,
-    alive past W): the measured peak per rank is the predicted one, within 10%."""
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv", "interleaved_1f1b"])
+def test_split_backward_and_several_stages_per_rank_keep_what_the_model_predicts(tmp_path, schedule):
+    """Split backward keeps a microbatch's saved activations from its forward to its W, on the last
+    stage too (nothing the step returns or logs keeps the microbatch's graph, and with it what W does
+    not visit, alive past W), and two stages per rank keep each stage's own: the measured peak per
+    rank is the predicted one, within 10%."""
     batches = token_batches(2, batch_size=8, lengths=[24, 24])
     make = lambda: TinyGPT(layers=4).double()  # noqa: E731
-    fit(make, batches, _strategy("zb_h1"), devices=2, steps=2, callbacks=[RecordMemory(tmp_path, True, True)])
+    fit(make, batches, _strategy(schedule), devices=2, steps=2, callbacks=[RecordMemory(tmp_path, True, True)])
     records = _records(tmp_path)
     for rank in (0, 1):
         for row in records[rank]:
