@@ -9,20 +9,24 @@ cost the training thread about 2 ms a batch (``Thread.start`` waits until the ne
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 Result = TypeVar("Result")
 
-_WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
+_WORKER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by process id: a forked child starts its own
 
 
 def _worker() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's lookahead thread (jobs of several planners run one after the other)."""
-    if not _WORKER:
-        _WORKER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-pipe-lookahead"))
-    return _WORKER[0]
+    """The process's lookahead thread (jobs of several planners run one after the other). A process
+    forked from one that had it does not inherit the thread, only the object: it makes its own."""
+    pid = os.getpid()
+    if pid not in _WORKER:
+        _WORKER.clear()
+        _WORKER[pid] = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-pipe-lookahead")
+    return _WORKER[pid]
 
 
 class LookaheadJob(Generic[Result]):

@@ -1,0 +1,35 @@
+"""Lookahead jobs: results and errors come back to the training thread, in forked ranks too."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from lightning_pipe.callbacks._lookahead import LookaheadJob
+
+
+def _child(queue) -> None:
+    queue.put(LookaheadJob("child", lambda: 2, "test").join())
+
+
+def test_a_job_returns_its_result_or_raises_its_error():
+    assert LookaheadJob("k", lambda: 1, "test").join() == 1
+    job = LookaheadJob("k", lambda: 1 / 0, "test")
+    job.wait()
+    with pytest.raises(ZeroDivisionError):
+        job.join()
+    assert job.seconds >= 0.0
+
+
+def test_a_forked_process_runs_jobs_on_its_own_thread():
+    """A rank forked from a process that had run a job (the fork launcher) would otherwise wait forever
+    on the parent's worker thread, which it does not have."""
+    LookaheadJob("parent", lambda: 1, "test").join()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(queue,))
+    child.start()
+    assert queue.get(timeout=30) == 2
+    child.join(timeout=30)
+    assert child.exitcode == 0
