@@ -181,11 +181,17 @@ def padded_microbatch_sizes(
     Raises:
         ValueError: for no samples, ``num_microbatches < 1`` or lengths not longest first.
     """
-    # cached: a batch is sized by its planners (as the next batch, then as the current one) and its step
-    return _padded_sizes(tuple(int(n) for n in lengths), num_microbatches, num_stages, cost)
+    key = tuple(int(n) for n in lengths)
+    if cost is None:  # cached: a batch is sized by its planners (as the next batch, then as the current one) and its step
+        return _padded_sizes_cached(key, num_microbatches, num_stages)
+    return _padded_sizes(key, num_microbatches, num_stages, cost)
 
 
 @functools.lru_cache(maxsize=256)
+def _padded_sizes_cached(lengths: tuple[int, ...], num_microbatches: int, num_stages: int) -> tuple[int, ...]:
+    return _padded_sizes(lengths, num_microbatches, num_stages, None)
+
+
 def _padded_sizes(
     lengths: tuple[int, ...], num_microbatches: int, num_stages: int, cost: PaddedCost | None
 ) -> tuple[int, ...]:

@@ -34,10 +34,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from lightning_pipe.model._torch_compat import tree_flatten, view_base
 from lightning_pipe.model.loss_counting import LossCounter, LossRecord
 from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult, StageRunner, StageSpan
 from lightning_pipe.model.units import is_float
-from lightning_pipe.runtime._torch_compat import tree_flatten
 from lightning_pipe.runtime.failures import PeerFailure
 from lightning_pipe.runtime.instructions import run_instruction
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
@@ -409,10 +409,7 @@ def _release(slot: _Slot) -> None:
     slot.output_grads = None
     slot.weight_pass = None
     for tensor in slot.kept:
-        try:
-            tensor.detach_()  # in place: the step's output and logs keep their identity and values
-        except RuntimeError:  # a view cannot be detached in place; its graph goes with the step
-            pass
+        tensor.detach_()  # in place: the step's output and logs keep their identity and values
     slot.kept = []
 
 
@@ -423,9 +420,12 @@ def _graph_holders(step_output: Any, logs: list[LogCall]) -> list[Tensor]:
     :func:`_release` detaches them in place once the microbatch's backward is done: a full backward
     frees the saved tensors anyway, but a split backward (I keeps the graph for W, and W visits only
     the weights' nodes) would leave the rest of them alive as long as anything holds the graph.
+    Views are left out: torch cannot detach a view in place, so a returned or logged view keeps its
+    graph to the end of the step, as before (more memory for that microbatch, which the memory
+    accounting counts; the values are the same).
     """
     values = [leaf for leaf in tree_flatten(step_output)[0]] + [call.value for call in logs]
-    return [v for v in values if isinstance(v, Tensor) and v.grad_fn is not None]
+    return [v for v in values if isinstance(v, Tensor) and v.grad_fn is not None and view_base(v) is None]
 
 
 def _maybe_loss(step_output: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -99,15 +100,11 @@ def destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
-_DESTROYED_AT_EXIT: list[bool] = []
-
-
+@functools.cache
 def destroy_default_group_at_exit() -> None:
     """End this process's default process group when the interpreter exits normally, before its
     finalization: a process that exits with the group alive can abort there (SIGABRT, "terminate
     called without an active exception") while gloo's threads release tensors (pytorch/pytorch#190489).
     For processes that run the user's script to its end (the popen launcher, torchrun), where the
     group must outlive one ``trainer.fit`` (a ``trainer.predict`` may follow). Registered once."""
-    if not _DESTROYED_AT_EXIT:
-        _DESTROYED_AT_EXIT.append(True)
-        atexit.register(destroy_default_group)
+    atexit.register(destroy_default_group)
