@@ -360,5 +360,6 @@ class AutoPlanner(L.Callback):
         elif isinstance(self.cost_model, CostModel):
             costs.use_model(self.cost_model)
         else:
-            costs.ensure_estimate(batch, max(lengths), len(lengths), batch_index)  # balanced sizes may hold any count
+            # balanced sizes may hold any count
+            costs.ensure_estimate(batch, max(lengths), len(lengths), batch_index, costs.prices_split(self.families))
         return costs.estimate.cost_model

@@ -125,7 +125,8 @@ class ScheduleSwitch(L.Callback):
         everyone = costs.replica_values(mine)  # one collective for this batch and the next
         per_replica = [e[0] for e in everyone]
         lengths = [n for replica in per_replica for mb in replica for n in mb]
-        model = costs.ensure_estimate(batch, max(lengths), max(len(mb) for r in per_replica for mb in r), batch_idx).cost_model
+        split = costs.prices_split(self.candidates)
+        model = costs.ensure_estimate(batch, max(lengths), max(len(mb) for r in per_replica for mb in r), batch_idx, split).cost_model
         key = _RankKey(model, tuple(costs.shapes(costs.heaviest(per_replica))), tuple(strategy.boundaries), strategy.schedule)
         job, self._job = self._job, None
         if job is not None and job.key == key:
@@ -136,7 +137,10 @@ class ScheduleSwitch(L.Callback):
         self.last_rows = rows
         if found and all(e[1] is not None for e in everyone):
             upcoming_shapes = tuple(costs.shapes(costs.heaviest([e[1] for e in everyone])))
-            ahead = _RankKey(model, upcoming_shapes, key.boundaries, schedule)  # if the partition stays
+            # the partition the choice runs with: this one, or the default one of its stage count
+            stages = strategy.pipeline_parallel_size * schedule.stages_per_rank
+            boundaries = key.boundaries if stages == len(key.boundaries) - 1 else strategy.default_boundaries(stages)
+            ahead = _RankKey(model, upcoming_shapes, tuple(boundaries), schedule)
             self._job = LookaheadJob(ahead, functools.partial(self._rank, strategy, ahead), "ScheduleSwitch-rank")
         return schedule
 

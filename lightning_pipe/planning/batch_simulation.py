@@ -7,7 +7,8 @@ thousands of partitions cost about as much as a few single simulations.
 
 Semantics are those of ``simulate`` (and tested against it): a rank runs its actions in order; a
 compute action lasts its cost as :mod:`lightning_pipe.schedules.action_rules` says (``RECOMPUTE`` a
-forward, ``I`` and ``W`` half a backward, a custom instruction its fixed seconds); a send takes no time; a receive ends at
+forward, ``I`` and ``W`` their shares of a backward, half each unless a measured ``SplitBackward`` is
+given, a custom instruction its fixed seconds); a send takes no time; a receive ends at
 ``max(its start, send end + transfer time of the boundary)``. The order in which ``simulate``
 appends events does not depend on durations (it sweeps ranks until each blocks on a receive), so one
 run with unit costs gives a valid evaluation order for every partition.
@@ -19,14 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_pipe.schedules import ActionCosts, Program, simulate
-from lightning_pipe.schedules.action_rules import ACTION_RULES
+from lightning_pipe.schedules import ActionCosts, Program, SplitBackward, simulate
+from lightning_pipe.schedules.action_rules import ACTION_RULES, backward_share
 from lightning_pipe.schedules.ir import Action, ActionType
 
 _SEND_TO_RECV = {ActionType.SEND_F: (ActionType.RECV_F, +1), ActionType.SEND_B: (ActionType.RECV_B, -1)}
 
 # What an operation adds to its start time.
-_NOTHING, _FORWARD, _BACKWARD, _HALF_BACKWARD, _CONSTANT = range(5)
+_NOTHING, _FORWARD, _BACKWARD, _SHARE_OF_BACKWARD, _CONSTANT = range(5)
 
 
 def _operation_kind(action: Action, simulated_seconds: float) -> tuple[int, float]:
@@ -37,8 +38,8 @@ def _operation_kind(action: Action, simulated_seconds: float) -> tuple[int, floa
         return _FORWARD, 0.0
     if rule.backward_share == 1.0 and not rule.forward_share:
         return _BACKWARD, 0.0
-    if rule.backward_share == 0.5 and not rule.forward_share:
-        return _HALF_BACKWARD, 0.0
+    if rule.backward_share and not rule.forward_share:  # I and W: their share (backward_share)
+        return _SHARE_OF_BACKWARD, 0.0
     assert not (rule.forward_share or rule.backward_share), f"no operation kind for the shares of {action.type}"
     if rule.duration == "instruction" and simulated_seconds > 0:
         return _CONSTANT, simulated_seconds
@@ -54,7 +55,7 @@ class Operation:
         previous: index of the operation before it on the same rank, or -1.
         sender: for a receive, index of its send (-1 otherwise).
         boundary: for a receive, the stage boundary the message crosses.
-        kind: what the action costs (nothing, a forward, a backward, half a backward, a constant).
+        kind: what the action costs (nothing, a forward, a backward, a share of a backward, a constant).
         stage: stage whose cost is charged.
         microbatch: microbatch whose cost is charged.
         seconds: for a constant-cost action (a custom instruction), its seconds.
@@ -113,13 +114,16 @@ class CompiledProgram:
             last[event.rank] = index
         return cls(program, tuple(operations), tuple(last))
 
-    def run(self, forward: np.ndarray, backward: np.ndarray, transfer: np.ndarray) -> BatchRun:
+    def run(
+        self, forward: np.ndarray, backward: np.ndarray, transfer: np.ndarray, split: SplitBackward | None = None
+    ) -> BatchRun:
         """Simulate ``N`` cost assignments at once.
 
         Args:
             forward: forward seconds ``[stage, microbatch, N]``.
             backward: backward seconds ``[stage, microbatch, N]``.
             transfer: transfer seconds across the boundary after each stage ``[stage, microbatch, N]``.
+            split: the shares of ``I`` and ``W`` (None: half each).
 
         Returns:
             The :class:`BatchRun`: makespans as :func:`simulate` computes them, and what is needed
@@ -139,8 +143,8 @@ class CompiledProgram:
                 start = start + forward[op.stage, op.microbatch]
             elif op.kind == _BACKWARD:
                 start = start + backward[op.stage, op.microbatch]
-            elif op.kind == _HALF_BACKWARD:
-                start = start + 0.5 * backward[op.stage, op.microbatch]
+            elif op.kind == _SHARE_OF_BACKWARD:
+                start = start + backward_share(op.action.type, op.stage, split) * backward[op.stage, op.microbatch]
             elif op.kind == _CONSTANT:
                 start = start + op.seconds
             end.append(start)

@@ -17,7 +17,8 @@ which (stage, microbatch) pairs are alive after each action depends on the progr
 
 Pure numpy; the accounting of :func:`lightning_pipe.schedules.simulate` (sends take no time, a
 receive ends no earlier than its send plus the transfer time), with durations and memory read from
-the one table of :mod:`lightning_pipe.schedules.action_rules` (``I`` and ``W`` cost half a ``B``).
+the one table of :mod:`lightning_pipe.schedules.action_rules` (``I`` and ``W`` cost their shares of a ``B``:
+chains count them apart, and :meth:`Chain.backward_counts` prices them with a ``SplitBackward``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds, saves_again
+from lightning_pipe.schedules.action_rules import ACTION_RULES, backward_share, instruction_seconds, saves_again
+from lightning_pipe.schedules.costs import SplitBackward
 from lightning_pipe.schedules.ir import Action, ActionType, Program
 
 _SEND_TO_RECV = {ActionType.SEND_F: (ActionType.RECV_F, +1), ActionType.SEND_B: (ActionType.RECV_B, -1)}
@@ -39,7 +41,8 @@ class Chain:
 
     Attributes:
         forward: ``[stage, microbatch]`` count of forwards (and recomputes, which cost a forward).
-        backward: ``[stage, microbatch]`` count of backwards, a ``B`` counting 1 and ``I``/``W`` 0.5.
+        backward: ``[kind, stage, microbatch]`` count of backward actions, kind 0 ``B``, 1 ``I``, 2 ``W``
+            (priced by :meth:`backward_counts`).
         transfer: ``[stage, microbatch]`` count of transfers across the boundary after ``stage``.
         constant: seconds of actions whose cost does not depend on the partition.
     """
@@ -49,10 +52,23 @@ class Chain:
     transfer: np.ndarray
     constant: float = 0.0
 
+    def backward_counts(self, split: SplitBackward | None = None) -> np.ndarray:
+        """``[stage, microbatch]`` full backwards the chain lasts: a ``B`` counts 1, ``I`` and ``W`` their
+        shares under ``split`` (None: half each)."""
+        stages = range(self.backward.shape[1])
+        shares = [
+            [backward_share(kind, s, split) for s in stages]
+            for kind in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
+        ]
+        return np.einsum("ks,ksm->sm", np.array(shares), self.backward)
+
+
+_BACKWARD_KIND = {ActionType.BACKWARD: 0, ActionType.BACKWARD_INPUT: 1, ActionType.BACKWARD_WEIGHT: 2}
+
 
 def _empty_chain(program: Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     shape = (program.num_stages, program.num_microbatches)
-    return np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    return np.zeros(shape), np.zeros((3, *shape)), np.zeros(shape)
 
 
 def _charge(action: Action, forward: np.ndarray, backward: np.ndarray) -> None:
@@ -60,7 +76,7 @@ def _charge(action: Action, forward: np.ndarray, backward: np.ndarray) -> None:
     if rule.forward_share:
         forward[s, mb] += rule.forward_share
     if rule.backward_share:
-        backward[s, mb] += rule.backward_share
+        backward[_BACKWARD_KIND[action.type], s, mb] += 1
 
 
 def _backward_kinds(program: Program) -> dict[tuple[int, int | None], ActionType]:
@@ -75,7 +91,7 @@ def _add_tail(program: Program, kinds: dict, last: Action, backward: np.ndarray,
         kind = kinds.get((s, last.microbatch))
         if kind is None:
             return
-        backward[s, last.microbatch] += ACTION_RULES[kind].backward_share
+        backward[_BACKWARD_KIND[kind], s, last.microbatch] += 1
         if program.rank_of(s) != program.rank_of(s + 1):
             transfer[s, last.microbatch] += 1
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from lightning_pipe.planning.boundaries import check_boundaries, unit_ranges
-from lightning_pipe.schedules.costs import ActionCosts
+from lightning_pipe.schedules.costs import ActionCosts, SplitBackward
 
 PROFILE_FORMAT = "lightning_pipe.cost_model"
 PROFILE_VERSION = 1
@@ -171,11 +171,14 @@ class CostModel:
         units: ``[pre, block_0, ..., block_{n-1}, post]``.
         latency: seconds per point-to-point message.
         bandwidth: bytes per second of a point-to-point link (``inf``: free transfer).
+        split_backward: what zero-bubble's ``I`` and ``W`` cost as shares of a stage's backward (measured
+            by the strategy, ``StrategyCosts.measure_split_backward``); None: half each.
     """
 
     units: tuple[UnitCost, ...]
     latency: float = 0.0
     bandwidth: float = math.inf
+    split_backward: SplitBackward | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -232,7 +235,8 @@ class CostModel:
             ActionCosts with ``forward``/``backward``/``saved_bytes`` summed over each stage's units,
             ``activation_bytes`` the output of each stage's last unit (0 for the last stage, which
             sends nothing), ``static_bytes`` per stage, and this model's latency and bandwidth.
-            ``backward_input``/``backward_weight`` are left to the simulator's default (half each).
+            ``backward_input``/``backward_weight`` are the backward's shares of ``split_backward``,
+            or left to the simulator's default (half each) without one.
 
         Raises:
             ValueError: if ``boundaries`` is not a valid partition of the blocks.
@@ -249,9 +253,19 @@ class CostModel:
             tuple(tables.output_bytes[stop - 1].tolist()) if s < last else tuple(0.0 for _ in microbatches)
             for s, (_, stop) in enumerate(ranges)
         )
+        backward = summed(tables.backward)
+        split = self.split_backward
+
+        def share(which: int) -> tuple[tuple[float, ...], ...] | None:
+            if split is None:
+                return None
+            return tuple(tuple(split.shares(s)[which] * b for b in row) for s, row in enumerate(backward))
+
         return ActionCosts(
             forward=summed(tables.forward),
-            backward=summed(tables.backward),
+            backward=backward,
+            backward_input=share(0),
+            backward_weight=share(1),
             activation_bytes=sent,
             saved_bytes=summed(tables.saved_bytes),
             static_bytes=tuple(float(tables.static_bytes[start:stop].sum()) for start, stop in ranges),
@@ -294,6 +308,7 @@ class CostModel:
             "latency": self.latency,
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "units": [asdict(unit) for unit in self.units],
+            "split_backward": None if self.split_backward is None else asdict(self.split_backward),
         }
 
     @classmethod
@@ -332,6 +347,7 @@ class CostModel:
             units=tuple(units),
             latency=float(data.get("latency", 0.0)),
             bandwidth=math.inf if bandwidth is None else float(bandwidth),
+            split_backward=None if data.get("split_backward") is None else SplitBackward(**data["split_backward"]),
         )
 
     def save(self, path: str | Path) -> None:

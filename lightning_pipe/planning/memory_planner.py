@@ -49,8 +49,8 @@ from lightning_pipe.planning.memory_model import (
     predict_memory,
     stage_footprints,
 )
-from lightning_pipe.schedules.costs import ActionCosts
-from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds
+from lightning_pipe.schedules.costs import ActionCosts, SplitBackward
+from lightning_pipe.schedules.action_rules import ACTION_RULES, backward_share, instruction_seconds
 from lightning_pipe.schedules.split_schedules import refuse_split_placement
 from lightning_pipe.schedules.ir import ActionType, Program
 from lightning_pipe.schedules.lowering import message_of
@@ -137,6 +137,7 @@ class _Problem:
     costs: ActionCosts
     split_backward: bool
     mlp_chunk_size: int | None
+    split_shares: SplitBackward | None = None  # the cost model's measured shares of I and W (None: halves)
 
     def plan_of(self, counts: dict[str, np.ndarray]) -> MemoryPlan:
         entries = {}
@@ -163,9 +164,15 @@ class _Problem:
     def step_seconds(self, counts: dict[str, np.ndarray]) -> float:
         forward, backward = self.durations(counts)
         table = lambda a: tuple(tuple(float(v) for v in row) for row in a)  # noqa: E731
-        costs = dataclasses.replace(
-            self.costs, forward=table(forward), backward=table(backward), backward_input=None, backward_weight=None
-        )
+        split_tables = {"backward_input": None, "backward_weight": None}  # None: half of the backward each
+        if self.split_shares is not None:  # each pass its share of the plain backward, plus its own recompute
+            added = sum(counts[o] * self.seconds[o] for o in _OPTIONS)
+            shares = np.array([self.split_shares.shares(s) for s in range(len(self.backward))])  # [S, 2]
+            split_tables = {
+                "backward_input": table(shares[:, :1] * self.backward + added),
+                "backward_weight": table(shares[:, 1:] * self.backward + added),
+            }
+        costs = dataclasses.replace(self.costs, forward=table(forward), backward=table(backward), **split_tables)
         return simulate(self.program, costs).makespan
 
     def added_seconds(self, counts: dict[str, np.ndarray]) -> float:
@@ -241,7 +248,7 @@ def _problem(
         list(static_bytes) if static_bytes is not None else profile.static_bytes(bounds), float(budget),
         tuple(options), blocks, base, gain, transient, seconds, stall_forward,
         np.array(costs.forward, dtype=float), np.array(costs.backward, dtype=float), transfer, costs, split,
-        mlp_chunk_size,
+        mlp_chunk_size, model.split_backward,
     )
 
 
@@ -516,7 +523,7 @@ def _add_time_rows(
             if OFFLOAD in options and rule.starts_pair:
                 terms[v.count[(OFFLOAD, s, m)]] = -problem.offload_forward_stall[s, m]
         elif rule.backward_share:
-            constant = problem.backward[s, m] * rule.backward_share
+            constant = problem.backward[s, m] * backward_share(op.action.type, s, problem.split_shares)
             for o in options:
                 c = v.count[(o, s, m)]
                 terms[c] = terms.get(c, 0.0) - problem.seconds[o][s, m]

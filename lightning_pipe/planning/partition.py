@@ -244,7 +244,7 @@ class _Search:
         """Tabulate a chain over (stage, first block, end block) and its best completion."""
         table = (
             np.einsum("sabm,sm->sab", self.forward, chain.forward)
-            + np.einsum("sabm,sm->sab", self.backward, chain.backward)
+            + np.einsum("sabm,sm->sab", self.backward, chain.backward_counts(self.cost_model.split_backward))
             + np.einsum("sabm,sm->sab", self.transfer, chain.transfer)
         )
         table[0] += chain.constant
@@ -318,7 +318,9 @@ class _Search:
         def gather(table: np.ndarray) -> np.ndarray:  # [stage, a, b, mb] -> [stage, mb, N]
             return np.transpose(table[stages, first, end], (1, 2, 0))
 
-        run = self.compiled.run(gather(self.forward), gather(self.backward), gather(self.transfer))
+        run = self.compiled.run(
+            gather(self.forward), gather(self.backward), gather(self.transfer), self.cost_model.split_backward
+        )
         if learn:
             for column in range(len(bounds)):
                 self.add_chain(path_chain(self.program, run.critical_path(column)))

@@ -38,15 +38,18 @@ TorchDispatchMode = private_name("torch.utils._python_dispatch", "TorchDispatchM
 _ENGINE_RUN_BACKWARD = private_name("torch.autograd.graph", "_engine_run_backward", "runtime/_torch_compat.py")
 
 
-def accumulate_from_edges(edges: tuple, grads: tuple[Tensor, ...], inputs: tuple[Tensor, ...]) -> None:
-    """``torch.autograd.backward(edges, grads, inputs=inputs, retain_graph=True)`` without its checks.
+def accumulate_from_edges(
+    edges: tuple, grads: tuple[Tensor, ...], inputs: tuple[Tensor, ...], accumulate: bool = True
+) -> None:
+    """``torch.autograd.backward(edges, grads, inputs=inputs, retain_graph=True)`` without its checks
+    (``accumulate=False``: ``torch.autograd.grad`` of the same, the result dropped).
 
     The zero-bubble W pass runs one engine call per parameter group with gradients the I pass
     captured from the same graph (their shapes and dtypes are the nodes' own), so the public call's
     validation of every gradient (``_make_grads``, about a tenth of a W pass on CPU) is skipped by
     calling the engine entry it ends in, the private ``torch.autograd.graph._engine_run_backward``.
     """
-    _ENGINE_RUN_BACKWARD(edges, grads, True, False, inputs, allow_unreachable=True, accumulate_grad=True)
+    _ENGINE_RUN_BACKWARD(edges, grads, True, False, inputs, allow_unreachable=True, accumulate_grad=accumulate)
 
 
 def grad_output_count(node: Node) -> int:

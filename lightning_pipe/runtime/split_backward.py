@@ -42,8 +42,10 @@ class WeightPass:
     groups: list[_Group]
     params_by_node: dict[Node, Tensor]
 
-    def run(self) -> None:
-        """Accumulate the weight gradients into ``.grad``; the W action."""
+    def run(self, accumulate: bool = True) -> None:
+        """Accumulate the weight gradients into ``.grad``; the W action. ``accumulate=False`` computes
+        them the same way and drops them (what a measurement of W's cost needs: no ``.grad`` and no
+        gradient hook sees them)."""
         for group in self.groups:
             edges, grads = [], []
             for node, captured in group.grads.items():
@@ -58,7 +60,7 @@ class WeightPass:
                 handles = [node.register_prehook(lambda _, saved=captured: saved) for node, captured in group.grads.items()]
             try:
                 params = [self.params_by_node[node] for node in group.params]
-                accumulate_from_edges(tuple(edges), tuple(grads), tuple(params))
+                accumulate_from_edges(tuple(edges), tuple(grads), tuple(params), accumulate)
             finally:
                 for handle in handles:
                     handle.remove()

@@ -13,7 +13,7 @@ with a leading underscore) may change. Typical use::
 
 from . import families as _families  # noqa: F401  (importing registers the built-in families)
 from .auto import AutoScheduleRow, auto_schedule, format_auto_table, render_auto_table, split_stages
-from .costs import ActionCosts
+from .costs import ActionCosts, SplitBackward
 from .dsl import PRESETS, ScheduleSpec, build_spec, parse_spec, register_rule
 from .dsl_engine import RuleContext
 from .families.helix import helix, helix_stage_costs
@@ -43,6 +43,7 @@ __all__ = [
     "ActionType",
     "Program",
     "ActionCosts",
+    "SplitBackward",
     "F",
     "B",
     "I",

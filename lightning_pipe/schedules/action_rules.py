@@ -7,7 +7,8 @@ memory planner in ``planning/``) asks :data:`ACTION_RULES` instead of repeating
 Time. An action lasts ``forward_share`` forwards plus ``backward_share`` full backwards of its
 ``(stage, microbatch)``; ``duration`` names the :class:`~lightning_pipe.schedules.ActionCosts` entry the
 simulator charges (``input_gradient`` and ``weight_gradient`` are half a backward unless the costs
-give their own tables; the linear models of ``planning/`` use the halves). A registered instruction
+give their own tables; the linear models of ``planning/`` use the halves unless given a measured
+:class:`~lightning_pipe.schedules.costs.SplitBackward`, through :func:`backward_share`). A registered instruction
 (``CUSTOM``) lasts its ``seconds``; communication and the other kinds take no compute time.
 
 Memory, per ``(stage, microbatch)`` pair on its rank. A pair's saved activations are alive from the
@@ -38,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from .costs import SplitBackward
 from .instructions import get_instruction, is_registered_instruction
 from .ir import Action, ActionType, Program
 
@@ -205,6 +207,16 @@ def check_executable(program: Program) -> Program:
             "Remove them from the schedule."
         )
     return program
+
+
+def backward_share(kind: ActionType, stage: int, split: SplitBackward | None = None) -> float:
+    """Full backwards of its ``(stage, microbatch)`` that an action of ``kind`` lasts in the linear
+    models: the rule's ``backward_share``, except ``I`` and ``W`` under a measured ``split``."""
+    if split is not None and kind is ActionType.BACKWARD_INPUT:
+        return split.shares(stage)[0]
+    if split is not None and kind is ActionType.BACKWARD_WEIGHT:
+        return split.shares(stage)[1]
+    return ACTION_RULES[kind].backward_share
 
 
 def saves_again(kind: ActionType) -> bool:

@@ -12,6 +12,63 @@ from dataclasses import dataclass
 Table = tuple[tuple[float, ...], ...]
 
 
+@dataclass(frozen=True)
+class SplitBackward:
+    """What zero-bubble's split backward costs, as shares of the same stage's full backward ``B``.
+
+    ``I`` computes a stage's input gradients and ``W`` its weight gradients. Ideally they split one
+    ``B`` (the default, half each: the setting of the zero-bubble paper's formulas). Measured, they
+    cost more together (each pass has its own autograd engine calls, and ``I`` keeps the gradients
+    ``W`` starts from), and not evenly. The first stage is apart: its inputs (the batch) need no
+    gradient, so its ``I`` has nothing to compute and its ``W`` is the whole backward
+    (:meth:`measured` says so; the default keeps the halves everywhere).
+
+    Attributes:
+        input_share: ``I`` of a stage after the first, in full backwards of that stage.
+        weight_share: ``W`` of a stage after the first, likewise.
+        first_input_share: ``I`` of the first stage.
+        first_weight_share: ``W`` of the first stage.
+    """
+
+    input_share: float = 0.5
+    weight_share: float = 0.5
+    first_input_share: float = 0.5
+    first_weight_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("input_share", "weight_share", "first_input_share", "first_weight_share"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"`SplitBackward.{name}` must be finite and >= 0, got {value}.")
+        for first, pair in ((False, (self.input_share, self.weight_share)), (True, (self.first_input_share, self.first_weight_share))):
+            if sum(pair) < 1.0 - 1e-9:  # the planners' lower bounds count the work of one B per pair
+                raise ValueError(
+                    f"`SplitBackward`: I and W of {'the first stage' if first else 'a stage'} add up to {sum(pair):.3g} "
+                    "backwards; a split backward does at least the work of one full backward (shares summing to >= 1)."
+                )
+
+    @classmethod
+    def measured(cls, input_seconds: float, weight_seconds: float, backward_seconds: float) -> SplitBackward:
+        """The shares of measured ``I``, ``W`` and ``B`` seconds of stages after the first (summed over
+        them), the first stage's being 0 and 1. A measured split that comes out cheaper than ``B`` (timing
+        noise) is scaled up to one ``B``, as the linear models assume."""
+        if not backward_seconds > 0:
+            raise ValueError(f"`backward_seconds` must be > 0, got {backward_seconds}.")
+        total = input_seconds + weight_seconds
+        scale = max(1.0, backward_seconds / total) if total > 0 else 1.0
+        return cls(scale * input_seconds / backward_seconds, scale * weight_seconds / backward_seconds, 0.0, 1.0)
+
+    def shares(self, stage: int) -> tuple[float, float]:
+        """``(I, W)`` of ``stage`` in full backwards of that stage."""
+        if stage == 0:
+            return self.first_input_share, self.first_weight_share
+        return self.input_share, self.weight_share
+
+
+HALVES = SplitBackward()
+"""Half a backward each for ``I`` and ``W`` on every stage (the closed-form setting)."""
+
+
 def _table(value: float, num_stages: int, num_microbatches: int) -> Table:
     return tuple(tuple(float(value) for _ in range(num_microbatches)) for _ in range(num_stages))
 

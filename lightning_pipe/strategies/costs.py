@@ -20,6 +20,7 @@ Lightning-free: it reads the strategy through a :class:`~lightning_pipe.strategi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -35,9 +36,12 @@ from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed, MetaProbeError
 from lightning_pipe.profiling.estimate import assumed_link, estimate_costs, probe_grid, probe_lengths
 from lightning_pipe.profiling.memory_profile import sequence_lengths
+from lightning_pipe.profiling.split_timing import time_split_backward
 from lightning_pipe.profiling.unit_timing import fit_timings, measured_template, time_units
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.microbatch import sample_ranges
+from lightning_pipe.schedules import SplitBackward, resolve_schedule
+from lightning_pipe.schedules.ir import ActionType
 from lightning_pipe.strategies.context import PipelineContext
 from lightning_pipe.strategies.memory import StrategyMemory
 
@@ -171,7 +175,9 @@ class StrategyCosts:
             self.speed,
         )
 
-    def ensure_estimate(self, batch: Any, max_length: int, num_sequences: int, batch_index: int = 0) -> CostEstimate:
+    def ensure_estimate(
+        self, batch: Any, max_length: int, num_sequences: int, batch_index: int = 0, split_backward: bool = False
+    ) -> CostEstimate:
         """The estimate in use, else the meta-device one, else (the step reads values) a measured one.
 
         Every rank must call it at the same point of the step (the fallback is collective). The meta
@@ -183,8 +189,13 @@ class StrategyCosts:
             max_length: the longest sample length to probe (every rank must pass the same).
             num_sequences: samples per probe microbatch (every rank must pass the same).
             batch_index: the step's second argument for measured probes.
+            split_backward: the caller prices zero-bubble's split backward: an estimate without
+                measured shares of ``I`` and ``W`` gets them (:meth:`measure_split_backward`, once).
+                Every rank must pass the same.
         """
         if self.estimate is not None:
+            if split_backward and self.estimate.cost_model.split_backward is None:
+                self.use_split_backward(self.measure_split_backward(batch, batch_index))
             return self.estimate
         estimate, reason = None, ""
         try:
@@ -203,7 +214,64 @@ class StrategyCosts:
             )
             estimate = self.profile(batch, batch_index, shapes, repeats=1, warmup=1)
         self.use(estimate)
-        return estimate
+        if split_backward:
+            self.use_split_backward(self.measure_split_backward(batch, batch_index))
+        return self.estimate
+
+    def prices_split(self, schedules: Sequence[Any] = ()) -> bool:
+        """Whether the running program, or any of ``schedules`` at this pipeline's size, runs zero-bubble's
+        split backward (``I`` and ``W``): what decides ``ensure_estimate(split_backward=...)``."""
+        context = self.context
+        current = context.current()
+        programs = [current.program]
+        for schedule in schedules:
+            with contextlib.suppress(ValueError):  # a family that cannot run at this size is not a candidate
+                programs.append(resolve_schedule(schedule).build(context.pipeline_parallel_size, current.num_microbatches))
+        return any(a.type is ActionType.BACKWARD_INPUT for program in programs for acts in program.actions for a in acts)
+
+    def use_split_backward(self, split: SplitBackward | None) -> None:
+        """Price ``I`` and ``W`` with ``split`` in the estimate in use (None: leave it as it is)."""
+        if split is not None and self.estimate is not None:
+            model = dataclasses.replace(self.estimate.cost_model, split_backward=split)
+            self.use(dataclasses.replace(self.estimate, cost_model=model))
+
+    def measure_split_backward(self, batch: Any, batch_index: int = 0) -> SplitBackward | None:
+        """What ``I`` and ``W`` cost as shares of ``B``, measured on this pipeline's stages after the first.
+
+        Each rank of the first replica times its own stages after the first on the batch's first
+        microbatch (``profiling/split_timing.py``); rank 0 sums them and every rank gets its shares.
+        A collective: every rank must call it at the same point. None where no stage after the first
+        exists (one stage): nothing there is split.
+        """
+        context = self.context
+        microbatch = context.split_batch(batch).microbatches[0]
+        params = [p for p in context.module.parameters() if not p.is_meta]
+        timings = []
+        if context.layout.data_parallel_rank == 0:
+            timings = [
+                time_split_backward(
+                    context.runner, "training_step", (microbatch, batch_index), span, params, context.device,
+                    step_context=context.train_step_context,
+                )
+                for span in context.current().spans.values()
+                if not span.is_first
+            ]
+        gathered = context.gather_from_pipeline(timings)
+        split = None
+        if context.global_rank == 0:
+            found = [t for part in gathered for t in part]
+            backward = sum(t.backward_seconds for t in found)
+            if found and backward > 0:
+                split = SplitBackward.measured(
+                    sum(t.input_seconds for t in found), sum(t.weight_seconds for t in found), backward
+                )
+                log.info(
+                    "Zero-bubble's split backward measured on %d stage(s): I %.2f and W %.2f of a full backward.",
+                    len(found), split.input_share, split.weight_share,
+                )
+        if context.world_size > 1:
+            split = context.broadcast(split, 0)
+        return split
 
     def profile(
         self,

@@ -112,20 +112,54 @@ def test_partition_auto_plans_the_longest_batch_once(tmp_path):
 
 
 def test_schedule_switch_auto_moves_to_the_fastest_family(tmp_path):
-    batches = token_batches(3, batch_size=4, lengths=[9, 30, 14], vocab=VOCAB)
+    batches = token_batches(3, batch_size=8, lengths=[50, 63, 40], vocab=VOCAB)
     make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()
     strategy = ElasticPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=4, schedule="gpipe", start_method=START_METHOD
     )
-    switch = ScheduleSwitch("auto", candidates=["gpipe", "zb_h1"])
+    switch = ScheduleSwitch("auto", candidates=["gpipe", "interleaved_1f1b"])
     callbacks = [switch, RecordPlans(str(tmp_path / "plans.jsonl")), PipelineMonitor(log_every_n_steps=1)]
     pipelined = fit(make, batches, strategy, devices=2, steps=3, callbacks=callbacks, log_dir=tmp_path)
     reference = fit(make, reference_batches(batches, 1), steps=3)
     assert_same_parameters(pipelined, reference, atol=1e-10)
     schedules = [p["schedule"] for p in read_plans(tmp_path / "plans.jsonl")]
-    assert schedules == ["zb_h1"] * 3  # zero-bubble H1 simulates faster than GPipe for every batch
+    assert schedules == ["interleaved_1f1b"] * 3  # its smaller bubble simulates faster than GPipe for every batch
     background = logged(tmp_path, "pipeline/plan_background_s")  # batches 2 and 3 were ranked ahead
     assert background[0] == 0.0 and all(b > 0 for b in background[1:])
+
+
+class _RecordSplit(L.Callback):
+    """Every rank writes the split-backward shares its planners priced I and W with."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        split = trainer.strategy.costs.estimate.cost_model.split_backward
+        shares = None if split is None else [split.input_share, split.weight_share, *split.shares(0)]
+        (self.directory / f"split{trainer.global_rank}.json").write_text(json.dumps(shares))
+
+
+def test_split_families_are_priced_with_the_measured_split_backward(tmp_path):
+    """A planner with zero-bubble candidates measures what I and W cost on the real stages once, and
+    every rank prices them alike: the first stage's I empty and its W a whole backward, the others'
+    I and W together at least one backward. Training stays exact whatever it picks."""
+    batches = token_batches(3, batch_size=4, lengths=[9, 30, 14], vocab=VOCAB)
+    make = lambda: TinyGPT(layers=8, vocab=VOCAB).double()
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, schedule="gpipe", start_method=START_METHOD
+    )
+    callbacks = [ScheduleSwitch("auto", candidates=["gpipe", "zb_h1"]), RecordPlans(str(tmp_path / "plans.jsonl")),
+                 _RecordSplit(tmp_path)]
+    pipelined = fit(make, batches, strategy, devices=2, steps=3, callbacks=callbacks)
+    reference = fit(make, reference_batches(batches, 1), steps=3)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    shares = [json.loads((tmp_path / f"split{rank}.json").read_text()) for rank in range(2)]
+    assert shares[0] == shares[1] and shares[0] is not None
+    input_share, weight_share, first_input, first_weight = shares[0]
+    assert (first_input, first_weight) == (0.0, 1.0)
+    assert input_share > 0 and weight_share > 0 and input_share + weight_share >= 1.0
+    assert {p["schedule"] for p in read_plans(tmp_path / "plans.jsonl")} <= {"gpipe", "zb_h1"}
 
 
 @pytest.mark.parametrize(

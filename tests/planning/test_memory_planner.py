@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -9,8 +10,14 @@ import pytest
 
 from lightning_pipe.planning.cost_model import MicrobatchShape
 from lightning_pipe.planning.memory_model import MemoryPlan, StageMemory, predict_memory
-from lightning_pipe.planning.memory_planner import MemoryBudgetError, _problem, plan_memory, step_seconds
-from lightning_pipe.schedules import resolve_schedule
+from lightning_pipe.planning.memory_planner import (
+    MemoryBudgetError,
+    _problem,
+    plan_memory,
+    profile_cost_model,
+    step_seconds,
+)
+from lightning_pipe.schedules import SplitBackward, resolve_schedule
 from tests.planning.test_memory_model import toy_profile
 
 
@@ -58,6 +65,30 @@ def test_milp_makespan_is_optimal_on_a_small_case():
     assert best is not None and result.step_seconds == pytest.approx(best, rel=1e-9)
     greedy = plan_memory(program, boundaries, shapes, profile, budget, options=("full",), method="greedy")
     assert greedy.step_seconds >= result.step_seconds - 1e-15
+
+
+def test_milp_makespan_is_optimal_with_a_measured_split_backward():
+    """With zero-bubble's I and W priced as measured (each pass recomputes its blocks), the MILP's
+    step time is still the exhaustive optimum, and the split's price is in it."""
+    program = resolve_schedule("zb_h1").build(2, 3)
+    profile = toy_profile(num_blocks=4)
+    boundaries = (0, 2, 4)
+    shapes = [MicrobatchShape.from_lengths([n]) for n in (300, 100, 200)]
+    model = dataclasses.replace(profile_cost_model(profile), split_backward=SplitBackward.measured(0.8, 0.45, 1.0))
+    budget, _ = _budget_between(program, boundaries, shapes, profile, fraction=0.4)
+    problem = _problem(program, boundaries, shapes, profile, budget, model, ("full",), 25e9, None, None)
+    best = None
+    for counts in itertools.product(range(3), repeat=6):
+        plan = MemoryPlan(microbatches={(s, m): StageMemory(full=counts[3 * s + m]) for s in range(2) for m in range(3)})
+        if not predict_memory(program, boundaries, shapes, plan, profile).fits(budget):
+            continue
+        full = np.array(counts, dtype=float).reshape(2, 3)
+        seconds = problem.step_seconds({"full": full, "keep_attention": 0 * full, "offload": 0 * full})
+        best = seconds if best is None else min(best, seconds)
+    result = plan_memory(program, boundaries, shapes, profile, budget, options=("full",), cost_model=model)
+    assert best is not None and result.step_seconds == pytest.approx(best, rel=1e-9)
+    halves = plan_memory(program, boundaries, shapes, profile, budget, options=("full",), cost_model=profile_cost_model(profile))
+    assert result.step_seconds > halves.step_seconds
 
 
 def test_long_batch_gets_more_recompute_than_short():

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 
 import numpy as np
@@ -10,7 +11,7 @@ from lightning_pipe.planning import (
     plan_partition,
     uniform_partition,
 )
-from lightning_pipe.schedules import resolve_schedule, simulate
+from lightning_pipe.schedules import SplitBackward, resolve_schedule, simulate
 from tests.planning.helpers import random_cost_model, random_microbatches
 
 
@@ -46,6 +47,25 @@ def test_plan_is_the_brute_force_optimum(schedule, num_ranks, seed):
     assert plan.step_seconds == pytest.approx(best, rel=1e-9)
     assert plan.proven_optimal
     assert plan.step_seconds == simulate(program, model.stage_costs(plan.boundaries, batch)).makespan
+
+
+@pytest.mark.parametrize(("schedule", "num_ranks"), [("zb_h1", 3), ("zbv", 2)])
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_is_the_brute_force_optimum_with_a_measured_split_backward(schedule, num_ranks, seed):
+    """I and W priced as measured (dearer than one backward, the first stage's I empty) move the
+    optimum; the search still finds the simulator's best."""
+    rng = np.random.default_rng(100 + seed)
+    num_microbatches = int(rng.integers(2, 6))
+    program = resolve_schedule(schedule).build(num_ranks, num_microbatches)
+    model = random_cost_model(rng, num_blocks=int(rng.integers(program.num_stages + 1, 9)))
+    model = dataclasses.replace(model, split_backward=SplitBackward.measured(0.8, 0.45, 1.0))
+    batch = random_microbatches(rng, num_microbatches)
+    plan = plan_partition(model, batch, schedule, num_ranks)
+    best, _ = brute_force(model, batch, program)
+    assert plan.step_seconds == pytest.approx(best, rel=1e-9)
+    assert plan.proven_optimal
+    halves = simulate(program, dataclasses.replace(model, split_backward=None).stage_costs(plan.boundaries, batch))
+    assert plan.step_seconds > halves.makespan  # the measured split is dearer: the tables are in use
 
 
 @pytest.mark.parametrize(("schedule", "num_ranks"), [("1f1b", 3), ("interleaved_1f1b", 2)])

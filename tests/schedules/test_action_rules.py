@@ -39,7 +39,7 @@ def test_simulator_and_bounds_charge_what_the_table_says():
         busy = sum(ACTION_RULES[a.type].forward_share + 3.0 * ACTION_RULES[a.type].backward_share for a in program.actions[rank])
         assert result.busy[rank] == pytest.approx(busy)
         chain = rank_chain(program, rank)  # the rank's own actions plus the fill and drain it cannot hide
-        assert float(chain.forward.sum() + 3.0 * chain.backward.sum()) >= busy
+        assert float(chain.forward.sum() + 3.0 * chain.backward_counts().sum()) >= busy
     analysis = ProgramAnalysis.of(program)
     saved = np.ones((3, 4))
     for rank in range(3):
