@@ -21,8 +21,10 @@ __all__ = [
     "clear_computed",
     "forward_cache",
     "reduce_states",
+    "restore_snapshot",
     "set_forward_cache",
     "set_update_count",
+    "snapshot",
     "state_copy",
     "update_count",
 ]
@@ -91,3 +93,16 @@ def batch_compute(metric: Metric) -> Any:
     finally:
         metric._to_sync, metric._should_unsync, metric._computed = to_sync, unsync, None
         metric.compute_with_cache = cached
+
+
+def snapshot(metric: Metric) -> tuple[dict[str, Any], int, Any, Any]:
+    """Everything an ``update`` or ``forward`` changes: a copy of the states, the update count, the
+    last forward's result and the cached ``compute`` (for :func:`restore_snapshot`)."""
+    return state_copy(metric), metric._update_count, metric._forward_cache, metric._computed
+
+
+def restore_snapshot(metric: Metric, saved: tuple[dict[str, Any], int, Any, Any]) -> None:
+    """Put back what :func:`snapshot` took: the metric is as if the calls in between never ran."""
+    states, metric._update_count, metric._forward_cache, metric._computed = saved
+    for name, value in states.items():
+        setattr(metric, name, value)

@@ -47,6 +47,7 @@ from lightning_pipe.model.placeholders import real_devices
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape, UnitCost
 from lightning_pipe.planning.fit import UnitFit, fit_linear_cost
+from lightning_pipe.profiling.probing import metrics_untouched
 from lightning_pipe.profiling.unit_tracker import (
     SavedBytes,
     UnitTracker,
@@ -368,7 +369,7 @@ def count_units(
         microbatch = resize_microbatch(step_args[0], num_sequences, length, device=torch.device("cpu"))
         batch_tensors = [t for t in tree_flatten(microbatch)[0] if isinstance(t, Tensor)]
         functions = _MetaFunctions(torch.device("cpu"), batch_tensors)
-        with _on_meta(root) as params, _silent_log(root), tracker, torch.enable_grad():
+        with metrics_untouched(root), _on_meta(root) as params, _silent_log(root), tracker, torch.enable_grad():
             saved = SavedBytes(tracker, params + batch_tensors + list(functions.meta_of.values()))
             try:
                 with functions, work, saved.hooks():

@@ -1,7 +1,8 @@
 """What the probes share: where a microbatch's sequences are, and running a probe without a trace.
 
 The memory profile, the unit tracker and the unit timings all read sequence lengths from the same
-token tensor and all restore RNG state and buffers after probing (training is the same as without).
+token tensor and all restore RNG state, buffers and metric states after probing (training is the
+same as without).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 
+from lightning_pipe.model._torchmetrics_compat import restore_snapshot, snapshot
 from lightning_pipe.runtime._torch_compat import tree_flatten
 
-__all__ = ["token_tensor", "untouched"]
+__all__ = ["metrics_untouched", "token_tensor", "untouched"]
 
 
 def token_tensor(microbatch: Any) -> Tensor:
@@ -39,9 +42,10 @@ def token_tensor(microbatch: Any) -> Tensor:
 
 @contextlib.contextmanager
 def untouched(module: nn.Module, device: torch.device):
-    """Restore RNG state and every real buffer after the block (probes must not change training)."""
+    """Restore RNG state, every real buffer and every torchmetrics metric's state after the block
+    (probes run the user's step, whose metric updates must not count the probes' data)."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), metrics_untouched(module):
         try:
             yield
         finally:
@@ -49,3 +53,16 @@ def untouched(module: nn.Module, device: torch.device):
             with torch.no_grad():
                 for name, value in buffers.items():
                     current[name].copy_(value)
+
+
+@contextlib.contextmanager
+def metrics_untouched(module: nn.Module):
+    """Restore the state of every torchmetrics metric in ``module`` after the block: a probe runs the
+    user's step, and its metric updates (on probe data, or failing halfway on meta tensors) must not
+    count."""
+    saved = [(metric, snapshot(metric)) for metric in module.modules() if isinstance(metric, Metric)]
+    try:
+        yield
+    finally:
+        for metric, state in saved:
+            restore_snapshot(metric, state)

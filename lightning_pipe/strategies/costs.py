@@ -36,6 +36,7 @@ from lightning_pipe.planning.partition import plan_partition
 from lightning_pipe.profiling.cost_probe import CostEstimate, DeviceSpeed, MetaProbeError
 from lightning_pipe.profiling.estimate import assumed_link, estimate_costs, probe_grid, probe_lengths
 from lightning_pipe.profiling.memory_profile import sequence_lengths
+from lightning_pipe.profiling.probing import token_tensor
 from lightning_pipe.profiling.split_timing import time_split_backward
 from lightning_pipe.profiling.unit_timing import fit_timings, measured_template, time_units
 from lightning_pipe.runtime import collectives
@@ -207,7 +208,12 @@ class StrategyCosts:
             reason = next((r for r in reasons if r), "")
         if reason:
             sizes = dict.fromkeys((num_sequences, max(1, num_sequences // 2)))
-            shapes = probe_grid(probe_lengths(max_length), sizes)
+            lengths = probe_lengths(max_length)
+            tokens = token_tensor(self.context.split_batch(batch).microbatches[0])
+            if tokens.is_floating_point():  # features, not token ids: no length to vary, only the sample count
+                lengths = [int(tokens.shape[1])]
+                sizes = dict.fromkeys((*sizes, 2 * num_sequences, 3 * num_sequences))
+            shapes = probe_grid(lengths, sizes)
             log.info(
                 "The meta-device cost probe cannot run the step (%s); measuring the stages' costs on %d real probe "
                 "shapes instead (once).", reason, len(shapes),

@@ -16,7 +16,9 @@ from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassPrecision, MulticlassRecall
 
 from lightning_pipe import ElasticPipelineStrategy
-from tests.helpers.training import SEED, START_METHOD, BatchDataset
+from lightning_pipe.callbacks import ElasticRepartition, ScheduleSwitch
+from tests.helpers.models import TinyGPT
+from tests.helpers.training import SEED, START_METHOD, BatchDataset, fit, logged, token_batches
 
 CLASSES = 3
 
@@ -82,7 +84,9 @@ def _batches(num: int, seed: int) -> list:
     ]
 
 
-def _run(strategy, devices: int, log_dir: Path, train: list, val: list, shuffle_one: bool) -> dict[str, list[float]]:
+def _run(
+    strategy, devices: int, log_dir: Path, train: list, val: list, shuffle_one: bool, callbacks: tuple = ()
+) -> dict[str, list[float]]:
     """Fit 2 epochs with validation, then test; every logged value. ``shuffle_one``: the training
     loader shuffles itself as a one-replica ``DistributedSampler`` (the same order in both runs)."""
     L.seed_everything(SEED, verbose=False)
@@ -90,7 +94,7 @@ def _run(strategy, devices: int, log_dir: Path, train: list, val: list, shuffle_
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, precision="64-true",
         logger=CSVLogger(log_dir, name="", version=""), enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, callbacks=list(callbacks),
     )
     loader = lambda batches: DataLoader(BatchDataset(batches), batch_size=None)  # noqa: E731
     train_loader = loader(train)
@@ -141,3 +145,48 @@ def test_a_metric_that_is_not_an_attribute_of_the_module_is_named():
     assert states.mark(module.val_acc) == MetricObject("val_acc")
     with pytest.raises(ValueError, match=r"<MulticlassAccuracy>\)`: the metric is not a submodule"):
         states.mark(MulticlassAccuracy(CLASSES))
+
+
+@pytest.mark.parametrize(
+    "planner", [lambda: ScheduleSwitch("auto", candidates=["1f1b", "zb_h1"]), lambda: ElasticRepartition(trigger="always")],
+    ids=["schedule_switch", "repartition"],
+)
+def test_planners_on_a_classifier_keep_its_metrics(tmp_path, planner):
+    """Planners on a model of features, not token ids, whose step updates torchmetrics (no meta kernel
+    for ``bincount``): the cost probes fall back to timing the real step at the batch's own width and
+    several sample counts, and no probe counts in the metrics."""
+    train, val = _batches(4, seed=0), _batches(2, seed=1)
+    pipelined = _run(_pipeline(2), 2, tmp_path / "pipe", train, val, shuffle_one=True, callbacks=(planner(),))
+    reference = _run("auto", 1, tmp_path / "ref", train, val, shuffle_one=True)
+    assert reference.keys() <= pipelined.keys()  # the planner logs its own values too
+    for name in reference:
+        torch.testing.assert_close(pipelined[name], reference[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+class _AccuracyGPT(TinyGPT):
+    """A GPT whose step updates a torchmetrics accuracy: ``bincount`` has no meta kernel, so the
+    planners' meta cost probe falls back to timing the real step on probe microbatches."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=4)
+        self.train_acc = MulticlassAccuracy(32, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[:, :-1])
+        self.train_acc(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+
+def test_cost_probes_do_not_count_in_metrics(tmp_path):
+    """Planners time the user's step on probe microbatches (the measured cost fallback, the split
+    backward): the step's metric updates must not count them. Logged accuracies equal one device's."""
+    batches = token_batches(3, batch_size=4, lengths=[12, 20, 16])
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2, start_method=START_METHOD)
+    callbacks = [ScheduleSwitch("auto", candidates=["1f1b", "zb_h1"])]
+    fit(_AccuracyGPT, batches, strategy, devices=2, steps=3, log_dir=tmp_path / "pipe", callbacks=callbacks)
+    fit(_AccuracyGPT, batches, steps=3, log_dir=tmp_path / "one")
+    for name in ("train_acc_step", "train_acc_epoch"):
+        pipelined, reference = logged(tmp_path / "pipe", name), logged(tmp_path / "one", name)
+        assert len(pipelined) == len(reference) > 0
+        torch.testing.assert_close(pipelined, reference, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
