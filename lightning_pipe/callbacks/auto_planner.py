@@ -361,5 +361,5 @@ class AutoPlanner(L.Callback):
             costs.use_model(self.cost_model)
         else:
             # balanced sizes may hold any count
-            costs.ensure_estimate(batch, max(lengths), len(lengths), batch_index, costs.prices_split(self.families))
+            costs.ensure_estimate(batch, max(lengths), len(lengths), batch_index, costs.split_to_measure(self.families))
         return costs.estimate.cost_model

@@ -340,7 +340,7 @@ class ElasticRepartition(L.Callback):
         else:
             lengths = [n for replica in per_replica for mb in replica for n in mb]
             sizes = [len(mb) for replica in per_replica for mb in replica]
-            costs.ensure_estimate(batch, max(lengths), max(sizes), batch_index, costs.prices_split())
+            costs.ensure_estimate(batch, max(lengths), max(sizes), batch_index, costs.split_to_measure())
         self._model_ready = True
 
     def _plan(self, key: _PlanKey) -> _Plan:

@@ -125,7 +125,7 @@ class ScheduleSwitch(L.Callback):
         everyone = costs.replica_values(mine)  # one collective for this batch and the next
         per_replica = [e[0] for e in everyone]
         lengths = [n for replica in per_replica for mb in replica for n in mb]
-        split = costs.prices_split(self.candidates)
+        split = costs.split_to_measure(self.candidates)
         model = costs.ensure_estimate(batch, max(lengths), max(len(mb) for r in per_replica for mb in r), batch_idx, split).cost_model
         key = _RankKey(model, tuple(costs.shapes(costs.heaviest(per_replica))), tuple(strategy.boundaries), strategy.schedule)
         job, self._job = self._job, None

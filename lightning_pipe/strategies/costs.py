@@ -41,7 +41,7 @@ from lightning_pipe.profiling.split_timing import time_split_backward
 from lightning_pipe.profiling.unit_timing import fit_timings, measured_template, time_units
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.microbatch import sample_ranges
-from lightning_pipe.schedules import SplitBackward, resolve_schedule
+from lightning_pipe.schedules import Program, SplitBackward, resolve_schedule
 from lightning_pipe.schedules.ir import ActionType
 from lightning_pipe.strategies.context import PipelineContext
 from lightning_pipe.strategies.memory import StrategyMemory
@@ -64,6 +64,7 @@ class StrategyCosts:
         self.longest_batch_lengths: list[int] | None = None
         self._context: PipelineContext | None = None
         self._memory: StrategyMemory | None = None
+        self._candidates_split: dict[tuple, bool] = {}  # split_to_measure's answers for candidate families
 
     def setup(self, context: PipelineContext, memory: StrategyMemory) -> None:
         """Attach to the strategy's context (after sharding); ``memory`` gives the static bytes per parameter."""
@@ -224,16 +225,23 @@ class StrategyCosts:
             self.use_split_backward(self.measure_split_backward(batch, batch_index))
         return self.estimate
 
-    def prices_split(self, schedules: Sequence[Any] = ()) -> bool:
-        """Whether the running program, or any of ``schedules`` at this pipeline's size, runs zero-bubble's
-        split backward (``I`` and ``W``): what decides ``ensure_estimate(split_backward=...)``."""
-        context = self.context
-        current = context.current()
-        programs = [current.program]
-        for schedule in schedules:
-            with contextlib.suppress(ValueError):  # a family that cannot run at this size is not a candidate
-                programs.append(resolve_schedule(schedule).build(context.pipeline_parallel_size, current.num_microbatches))
-        return any(a.type is ActionType.BACKWARD_INPUT for program in programs for acts in program.actions for a in acts)
+    def split_to_measure(self, schedules: Sequence[Any] = ()) -> bool:
+        """Whether a planner's ``ensure_estimate`` must measure the split backward: the estimate has no
+        measured shares yet, and the running program or one of ``schedules`` (at this pipeline's size)
+        runs zero-bubble's ``I`` and ``W``. Cheap once measured (planners ask on every batch)."""
+        if self.estimate is not None and self.estimate.cost_model.split_backward is not None:
+            return False
+        current = self.context.current()
+        if _runs_split(current.program):
+            return True
+        key = (tuple(repr(s) for s in schedules), self.context.pipeline_parallel_size, current.num_microbatches)
+        if key not in self._candidates_split:
+            found = False
+            for schedule in schedules:
+                with contextlib.suppress(ValueError):  # a family that cannot run at this size is not a candidate
+                    found = found or _runs_split(resolve_schedule(schedule).build(*key[1:]))
+            self._candidates_split[key] = found
+        return self._candidates_split[key]
 
     def use_split_backward(self, split: SplitBackward | None) -> None:
         """Price ``I`` and ``W`` with ``split`` in the estimate in use (None: leave it as it is)."""
@@ -408,6 +416,10 @@ class StrategyCosts:
             plan.step_seconds,
         )
         return plan.boundaries
+
+
+def _runs_split(program: Program) -> bool:
+    return any(a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
 
 
 def _split(lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:

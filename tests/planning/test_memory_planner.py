@@ -45,14 +45,8 @@ def test_plans_fit_the_budget(schedule, method):
         assert not result.plan.uses("keep_attention")
 
 
-def test_milp_makespan_is_optimal_on_a_small_case():
-    """Exhaustive search over every count of fully recomputed blocks agrees with the MILP."""
-    program = resolve_schedule("1f1b").build(2, 3)
-    profile = toy_profile(num_blocks=4)
-    boundaries = (0, 2, 4)
-    shapes = [MicrobatchShape.from_lengths([n]) for n in (300, 100, 200)]
-    budget, _ = _budget_between(program, boundaries, shapes, profile, fraction=0.4)
-    problem = _problem(program, boundaries, shapes, profile, budget, None, ("full",), 25e9, None, None)
+def _exhaustive_best(problem, program, boundaries, shapes, profile, budget) -> float | None:
+    """The fastest step over every count of fully recomputed blocks (2 stages x 3 microbatches) that fits."""
     best = None
     for counts in itertools.product(range(3), repeat=6):
         plan = MemoryPlan(microbatches={(s, m): StageMemory(full=counts[3 * s + m]) for s in range(2) for m in range(3)})
@@ -61,6 +55,18 @@ def test_milp_makespan_is_optimal_on_a_small_case():
         full = np.array(counts, dtype=float).reshape(2, 3)
         seconds = problem.step_seconds({"full": full, "keep_attention": 0 * full, "offload": 0 * full})
         best = seconds if best is None else min(best, seconds)
+    return best
+
+
+def test_milp_makespan_is_optimal_on_a_small_case():
+    """Exhaustive search over every count of fully recomputed blocks agrees with the MILP."""
+    program = resolve_schedule("1f1b").build(2, 3)
+    profile = toy_profile(num_blocks=4)
+    boundaries = (0, 2, 4)
+    shapes = [MicrobatchShape.from_lengths([n]) for n in (300, 100, 200)]
+    budget, _ = _budget_between(program, boundaries, shapes, profile, fraction=0.4)
+    problem = _problem(program, boundaries, shapes, profile, budget, None, ("full",), 25e9, None, None)
+    best = _exhaustive_best(problem, program, boundaries, shapes, profile, budget)
     result = plan_memory(program, boundaries, shapes, profile, budget, options=("full",))
     assert best is not None and result.step_seconds == pytest.approx(best, rel=1e-9)
     greedy = plan_memory(program, boundaries, shapes, profile, budget, options=("full",), method="greedy")
@@ -77,14 +83,7 @@ def test_milp_makespan_is_optimal_with_a_measured_split_backward():
     model = dataclasses.replace(profile_cost_model(profile), split_backward=SplitBackward.measured(0.8, 0.45, 1.0))
     budget, _ = _budget_between(program, boundaries, shapes, profile, fraction=0.4)
     problem = _problem(program, boundaries, shapes, profile, budget, model, ("full",), 25e9, None, None)
-    best = None
-    for counts in itertools.product(range(3), repeat=6):
-        plan = MemoryPlan(microbatches={(s, m): StageMemory(full=counts[3 * s + m]) for s in range(2) for m in range(3)})
-        if not predict_memory(program, boundaries, shapes, plan, profile).fits(budget):
-            continue
-        full = np.array(counts, dtype=float).reshape(2, 3)
-        seconds = problem.step_seconds({"full": full, "keep_attention": 0 * full, "offload": 0 * full})
-        best = seconds if best is None else min(best, seconds)
+    best = _exhaustive_best(problem, program, boundaries, shapes, profile, budget)
     result = plan_memory(program, boundaries, shapes, profile, budget, options=("full",), cost_model=model)
     assert best is not None and result.step_seconds == pytest.approx(best, rel=1e-9)
     halves = plan_memory(program, boundaries, shapes, profile, budget, options=("full",), cost_model=profile_cost_model(profile))
