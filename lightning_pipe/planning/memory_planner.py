@@ -201,7 +201,7 @@ def _problem(
     if model.num_blocks != profile.num_blocks:
         raise ValueError(f"The cost model has {model.num_blocks} blocks but the memory profile {profile.num_blocks}.")
     costs = model.stage_costs(bounds, shapes)
-    split = any(a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
+    split = program.splits_backward
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise ValueError(f"Unknown memory options {sorted(unknown)}; choose among {list(_OPTIONS)}.")

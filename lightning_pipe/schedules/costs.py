@@ -40,11 +40,12 @@ class SplitBackward:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"`SplitBackward.{name}` must be finite and >= 0, got {value}.")
-        for first, pair in ((False, (self.input_share, self.weight_share)), (True, (self.first_input_share, self.first_weight_share))):
-            if sum(pair) < 1.0 - 1e-9:  # the planners' lower bounds count the work of one B per pair
+        for stage, where in ((1, "a stage"), (0, "the first stage")):
+            total = sum(self.shares(stage))
+            if total < 1.0 - 1e-9:  # the planners' lower bounds count the work of one B per pair
                 raise ValueError(
-                    f"`SplitBackward`: I and W of {'the first stage' if first else 'a stage'} add up to {sum(pair):.3g} "
-                    "backwards; a split backward does at least the work of one full backward (shares summing to >= 1)."
+                    f"`SplitBackward`: I and W of {where} add up to {total:.3g} backwards; a split backward does at "
+                    "least the work of one full backward (shares summing to >= 1)."
                 )
 
     @classmethod
@@ -52,10 +53,10 @@ class SplitBackward:
         """The shares of measured ``I``, ``W`` and ``B`` seconds of stages after the first (summed over
         them), the first stage's being 0 and 1. A measured split that comes out cheaper than ``B`` (timing
         noise) is scaled up to one ``B``, as the linear models assume."""
-        if not backward_seconds > 0:
-            raise ValueError(f"`backward_seconds` must be > 0, got {backward_seconds}.")
         total = input_seconds + weight_seconds
-        scale = max(1.0, backward_seconds / total) if total > 0 else 1.0
+        if not (backward_seconds > 0 and total > 0):
+            raise ValueError(f"Measured seconds must be > 0: B {backward_seconds}, I + W {total}.")
+        scale = max(1.0, backward_seconds / total)
         return cls(scale * input_seconds / backward_seconds, scale * weight_seconds / backward_seconds, 0.0, 1.0)
 
     def shares(self, stage: int) -> tuple[float, float]:
@@ -63,10 +64,6 @@ class SplitBackward:
         if stage == 0:
             return self.first_input_share, self.first_weight_share
         return self.input_share, self.weight_share
-
-
-HALVES = SplitBackward()
-"""Half a backward each for ``I`` and ``W`` on every stage (the closed-form setting)."""
 
 
 def _table(value: float, num_stages: int, num_microbatches: int) -> Table:

@@ -161,6 +161,11 @@ class Program:
         """Number of pipeline ranks."""
         return len(self.actions)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the program runs zero-bubble's split backward (``I`` and ``W`` instead of ``B``)."""
+        return any(a.type is ActionType.BACKWARD_INPUT for actions in self.actions for a in actions)
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """Global stages placed on ``rank``, ascending."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)

@@ -41,8 +41,7 @@ from lightning_pipe.profiling.split_timing import time_split_backward
 from lightning_pipe.profiling.unit_timing import fit_timings, measured_template, time_units
 from lightning_pipe.runtime import collectives
 from lightning_pipe.runtime.microbatch import sample_ranges
-from lightning_pipe.schedules import Program, SplitBackward, resolve_schedule
-from lightning_pipe.schedules.ir import ActionType
+from lightning_pipe.schedules import SplitBackward, resolve_schedule
 from lightning_pipe.strategies.context import PipelineContext
 from lightning_pipe.strategies.memory import StrategyMemory
 
@@ -65,6 +64,7 @@ class StrategyCosts:
         self._context: PipelineContext | None = None
         self._memory: StrategyMemory | None = None
         self._candidates_split: dict[tuple, bool] = {}  # split_to_measure's answers for candidate families
+        self._split_measured = False
 
     def setup(self, context: PipelineContext, memory: StrategyMemory) -> None:
         """Attach to the strategy's context (after sharding); ``memory`` gives the static bytes per parameter."""
@@ -195,10 +195,14 @@ class StrategyCosts:
                 measured shares of ``I`` and ``W`` gets them (:meth:`measure_split_backward`, once).
                 Every rank must pass the same.
         """
-        if self.estimate is not None:
-            if split_backward and self.estimate.cost_model.split_backward is None:
-                self.use_split_backward(self.measure_split_backward(batch, batch_index))
-            return self.estimate
+        if self.estimate is None:
+            self.use(self._first_estimate(batch, max_length, num_sequences, batch_index))
+        if split_backward and not self._split_measured and self.estimate.cost_model.split_backward is None:
+            self.use_split_backward(self.measure_split_backward(batch, batch_index))
+        return self.estimate
+
+    def _first_estimate(self, batch: Any, max_length: int, num_sequences: int, batch_index: int) -> CostEstimate:
+        """The meta-device estimate, else (the step reads values, on any rank) a measured one."""
         estimate, reason = None, ""
         try:
             estimate = self.meta_estimate(batch, max_length, num_sequences)
@@ -220,26 +224,23 @@ class StrategyCosts:
                 "shapes instead (once).", reason, len(shapes),
             )
             estimate = self.profile(batch, batch_index, shapes, repeats=1, warmup=1)
-        self.use(estimate)
-        if split_backward:
-            self.use_split_backward(self.measure_split_backward(batch, batch_index))
-        return self.estimate
+        return estimate
 
     def split_to_measure(self, schedules: Sequence[Any] = ()) -> bool:
         """Whether a planner's ``ensure_estimate`` must measure the split backward: the estimate has no
         measured shares yet, and the running program or one of ``schedules`` (at this pipeline's size)
         runs zero-bubble's ``I`` and ``W``. Cheap once measured (planners ask on every batch)."""
-        if self.estimate is not None and self.estimate.cost_model.split_backward is not None:
+        if self._split_measured or (self.estimate is not None and self.estimate.cost_model.split_backward is not None):
             return False
         current = self.context.current()
-        if _runs_split(current.program):
+        if current.program.splits_backward:
             return True
         key = (tuple(repr(s) for s in schedules), self.context.pipeline_parallel_size, current.num_microbatches)
         if key not in self._candidates_split:
             found = False
             for schedule in schedules:
                 with contextlib.suppress(ValueError):  # a family that cannot run at this size is not a candidate
-                    found = found or _runs_split(resolve_schedule(schedule).build(*key[1:]))
+                    found = found or resolve_schedule(schedule).build(*key[1:]).splits_backward
             self._candidates_split[key] = found
         return self._candidates_split[key]
 
@@ -255,8 +256,10 @@ class StrategyCosts:
         Each rank of the first replica times its own stages after the first on the batch's first
         microbatch (``profiling/split_timing.py``); rank 0 sums them and every rank gets its shares.
         A collective: every rank must call it at the same point. None where no stage after the first
-        exists (one stage): nothing there is split.
+        exists (one stage): nothing there is split. Measured once: :meth:`split_to_measure` answers
+        False afterwards, whatever came out.
         """
+        self._split_measured = True
         context = self.context
         microbatch = context.split_batch(batch).microbatches[0]
         params = [p for p in context.module.parameters() if not p.is_meta]
@@ -275,7 +278,7 @@ class StrategyCosts:
         if context.global_rank == 0:
             found = [t for part in gathered for t in part]
             backward = sum(t.backward_seconds for t in found)
-            if found and backward > 0:
+            if backward > 0 and sum(t.input_seconds + t.weight_seconds for t in found) > 0:
                 split = SplitBackward.measured(
                     sum(t.input_seconds for t in found), sum(t.weight_seconds for t in found), backward
                 )
@@ -416,10 +419,6 @@ class StrategyCosts:
             plan.step_seconds,
         )
         return plan.boundaries
-
-
-def _runs_split(program: Program) -> bool:
-    return any(a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
 
 
 def _split(lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:

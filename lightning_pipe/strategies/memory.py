@@ -51,7 +51,7 @@ from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.runtime.packing import PackingPlan
 from lightning_pipe.schedules import validate
 from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
-from lightning_pipe.schedules.ir import ActionType, Program
+from lightning_pipe.schedules.ir import Program
 from lightning_pipe.runtime import collectives
 from lightning_pipe.strategies.context import PipelineContext
 from lightning_pipe.runtime._torch_compat import record_found_inf, tree_flatten
@@ -158,7 +158,7 @@ class StrategyMemory:
             ValueError: ``keep_attention`` with a split-backward (zero-bubble) program.
         """
         memory = plan.memory if plan.memory is not None else self.static_plan
-        split = any(a.type is ActionType.BACKWARD_INPUT for actions in program.actions for a in actions)
+        split = program.splits_backward
         if split and memory.uses(KEEP_ATTENTION):
             raise ValueError(
                 f"`recompute='keep_attention'` needs one backward pass per microbatch, but schedule {program.name!r} "

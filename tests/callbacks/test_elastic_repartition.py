@@ -13,7 +13,7 @@ from lightning_pipe.callbacks import ElasticRepartition, PipelineMonitor, Schedu
 from lightning_pipe.model import analyze_units, find_blocks
 from lightning_pipe.planning import CostModel, LinearCost, MicrobatchShape, UnitCost, plan_partition
 from lightning_pipe.profiling.estimate import estimate_costs
-from tests.helpers.callbacks import RecordPlans, read_plans
+from tests.helpers.callbacks import RecordPlans, RecordSplit, read_plans, read_splits
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import (
     START_METHOD,
@@ -128,18 +128,6 @@ def test_schedule_switch_auto_moves_to_the_fastest_family(tmp_path):
     assert background[0] == 0.0 and all(b > 0 for b in background[1:])
 
 
-class _RecordSplit(L.Callback):
-    """Every rank writes the split-backward shares its planners priced I and W with."""
-
-    def __init__(self, directory) -> None:
-        self.directory = directory
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        split = trainer.strategy.costs.estimate.cost_model.split_backward
-        shares = None if split is None else [split.input_share, split.weight_share, *split.shares(0)]
-        (self.directory / f"split{trainer.global_rank}.json").write_text(json.dumps(shares))
-
-
 def test_split_families_are_priced_with_the_measured_split_backward(tmp_path):
     """A planner with zero-bubble candidates measures what I and W cost on the real stages once, and
     every rank prices them alike: the first stage's I empty and its W a whole backward, the others'
@@ -150,11 +138,11 @@ def test_split_families_are_priced_with_the_measured_split_backward(tmp_path):
         pipeline_parallel_size=2, num_microbatches=4, schedule="gpipe", start_method=START_METHOD
     )
     callbacks = [ScheduleSwitch("auto", candidates=["gpipe", "zb_h1"]), RecordPlans(str(tmp_path / "plans.jsonl")),
-                 _RecordSplit(tmp_path)]
+                 RecordSplit(tmp_path)]
     pipelined = fit(make, batches, strategy, devices=2, steps=3, callbacks=callbacks)
     reference = fit(make, reference_batches(batches, 1), steps=3)
     assert_same_parameters(pipelined, reference, atol=1e-10)
-    shares = [json.loads((tmp_path / f"split{rank}.json").read_text()) for rank in range(2)]
+    shares = read_splits(tmp_path, 2)
     assert shares[0] == shares[1] and shares[0] is not None
     input_share, weight_share, first_input, first_weight = shares[0]
     assert (first_input, first_weight) == (0.0, 1.0)

@@ -160,3 +160,22 @@ class RandomLayouts(L.Callback):
         boundaries = random_partition(strategy.unit_layout.num_blocks, len(widths), rng.randrange(2**31))
         self.widths.append(widths)
         strategy.propose(PlanProposal("RandomLayouts", boundaries=boundaries, widths=widths))
+
+
+class RecordSplit(L.Callback):
+    """Every rank writes the split-backward shares its planners priced ``I`` and ``W`` with
+    (``[input, weight, first stage's input, first stage's weight]``, or null) to ``directory``."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        estimate = trainer.strategy.costs.estimate
+        split = None if estimate is None else estimate.cost_model.split_backward
+        shares = None if split is None else [split.input_share, split.weight_share, *split.shares(0)]
+        (self.directory / f"split{trainer.global_rank}.json").write_text(json.dumps(shares))
+
+
+def read_splits(directory, num_ranks: int) -> list:
+    """What :class:`RecordSplit` wrote, per rank."""
+    return [json.loads((directory / f"split{rank}.json").read_text()) for rank in range(num_ranks)]

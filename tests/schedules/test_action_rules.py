@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 
 from lightning_pipe.planning.bounds import ProgramAnalysis, rank_chain
-from lightning_pipe.schedules import ActionCosts, ActionType, Program, ScheduleError, resolve_schedule, simulate, validate
-from lightning_pipe.schedules.action_rules import ACTION_RULES, instruction_seconds, saves_again
+from lightning_pipe.schedules import (
+    ActionCosts,
+    ActionType,
+    Program,
+    ScheduleError,
+    SplitBackward,
+    resolve_schedule,
+    simulate,
+    validate,
+)
+from lightning_pipe.schedules.action_rules import ACTION_RULES, backward_share, instruction_seconds, saves_again
 from lightning_pipe.schedules.ir import Action, B, F
 
 
@@ -77,3 +86,17 @@ def test_simulation_only_kinds_and_schedule_memory_actions_are_refused_before_ru
     recompute = build_program("mem", 2, (0,), [[F(0, 0), F(0, 1), B(0, 1), Action(0, ActionType.RECOMPUTE, 0), B(0, 0)]])
     with pytest.raises(ValueError, match=r"rank 0: 0RECOMPUTE0 \(RECOMPUTE\).*written by the strategy from its memory plan"):
         check_executable(validate(recompute))
+
+
+def test_split_backward_shares_and_refusals():
+    """I and W cost their measured shares; the first stage's I is empty and its W a whole backward;
+    shares that would split a backward into less than one are refused (the planners' bounds need it)."""
+    split = SplitBackward.measured(0.6, 0.3, 1.0)  # I+W under one B: timing noise, scaled up to one B
+    assert split.shares(1) == pytest.approx((0.6 / 0.9, 0.3 / 0.9)) and split.shares(0) == (0.0, 1.0)
+    assert backward_share(ActionType.BACKWARD_WEIGHT, 0, split) == 1.0
+    assert backward_share(ActionType.BACKWARD_INPUT, 2, None) == 0.5 == ACTION_RULES[ActionType.BACKWARD_INPUT].backward_share
+    assert backward_share(ActionType.BACKWARD, 2, split) == 1.0
+    with pytest.raises(ValueError, match="add up to 0.6 backwards"):
+        SplitBackward(0.3, 0.3)
+    with pytest.raises(ValueError, match="must be > 0"):
+        SplitBackward.measured(0.0, 0.0, 1.0)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from lightning_pipe import ElasticPipelineStrategy
-from lightning_pipe.callbacks import ElasticRepartition
+from lightning_pipe.callbacks import ElasticRepartition, ScheduleSwitch
 from tests.callbacks.test_elastic_repartition import _attention_heavy_model
-from tests.helpers.callbacks import RandomPlans, RecordPlans, SaveFullState, read_plans
+from tests.helpers.callbacks import RandomPlans, RecordPlans, RecordSplit, SaveFullState, read_plans, read_splits
 from tests.helpers.models import AuxLossGPT, DirectHeadDecoder, GatedGPT, HookedAuxGPT, LoopedStack
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
 
@@ -153,3 +153,14 @@ def test_steps_stages_cannot_run_exactly_are_refused_before_the_first_update(mak
         fit(lambda: make(layers=4).double(), token_batches(2, 4, 7), _pipeline(timeout=__import__("datetime").timedelta(seconds=60)),
             devices=2, steps=2)
     assert time.monotonic() - start < 90  # no rank waits for a peer that refused
+
+
+def test_llama_under_zero_bubble_planning_measures_the_split_and_stays_exact(tmp_path):
+    """``ScheduleSwitch("auto")`` with ZB-H1 as a candidate times the split backward on the real
+    stages of a transformers Llama (variable padding, -100 labels) before the first step: the probe
+    leaves nothing behind, whichever family it then picks."""
+    batches = lm_batches(STEPS, batch_size=4, lengths=[9, 6, 12], padding="variable")
+    callbacks = [ScheduleSwitch("auto", candidates=["1f1b", "zb_h1"]), RecordSplit(tmp_path)]
+    _parity(lambda: HFCausalLM("llama", layers=4).double(), batches, _pipeline(), callbacks=callbacks, atol=HF_ATOL)
+    shares = read_splits(tmp_path, 2)
+    assert shares[0] == shares[1] and shares[0][2:] == [0.0, 1.0]  # measured, and alike on both ranks
