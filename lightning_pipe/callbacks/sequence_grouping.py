@@ -31,7 +31,9 @@ class SequenceGrouper(L.Callback):
     ``pipelines``) as the microbatching part, the pipelines' combined plan as the memory part (for the
     running partition; a draft with another partition or other chunks gets no memory plan from this
     callback). Exact, as any plan: the pipelines run one after the other within the optimizer step and
-    gradients accumulate across them.
+    gradients accumulate across them. The pipeline's first rank solves and sends the result to the
+    others: the MILPs' time limits may end differently on another rank, and every stage must run the
+    same chunks.
 
     Needs ``ElasticPipelineStrategy(schedule="1f1b", packing=Packer(max_tokens=..., slicing=True))``
     with one stage per rank.
@@ -45,6 +47,8 @@ class SequenceGrouper(L.Callback):
         objective: ``"recompute"`` (the paper's ``delta + T_ckpt``) or ``"makespan"``.
         options: what the memory plans may use (``"full"``, ``"keep_attention"``, ``"offload"``).
         time_limit: seconds HiGHS may take per memory plan.
+        relative_gap: each memory plan's MILP stops once proven within this fraction of its best
+            (``group_sequences``; the result's ``gap`` says what was reached).
         priority: wins the parts it sets over proposals of lower priority.
     """
 
@@ -57,6 +61,7 @@ class SequenceGrouper(L.Callback):
         objective: str = "recompute",
         options: Sequence[str] = (FULL, KEEP_ATTENTION),
         time_limit: float = 10.0,
+        relative_gap: float = 0.01,
         priority: int = 0,
     ) -> None:
         if num_slices < 1:
@@ -68,11 +73,12 @@ class SequenceGrouper(L.Callback):
         self.objective = objective
         self.options = tuple(options)
         self.time_limit = time_limit
+        self.relative_gap = relative_gap
         self.priority = priority
         self.results: list[SequenceGrouping] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        """Group this batch's chunks and propose them with their memory plan (every rank computes the same)."""
+        """Group this batch's chunks (on the pipeline's first rank) and propose them with their memory plan."""
         strategy = trainer.strategy
         unchunked = dataclasses.replace(strategy.plan, chunks=None)  # the running plan's chunks were another batch's
         lengths = getattr(strategy.split_batch(batch, unchunked).plan, "sequence_lengths", None)
@@ -82,11 +88,15 @@ class SequenceGrouper(L.Callback):
                 "`ElasticPipelineStrategy(schedule='1f1b', packing=Packer(max_tokens=..., slicing=True))`."
             )
         boundaries = strategy.plan.boundaries
-        chunked = chunk_batch(list(lengths), min(self.num_slices, max(lengths)), chunk_time_model(self.cost_model))
-        found = group_sequences(
-            PlannedChunks.from_plan(chunked, lengths), boundaries, self.profile, self.budget,
-            cost_model=self.cost_model, objective=self.objective, options=self.options, time_limit=self.time_limit,
-        )
+        found = None
+        if strategy.first_in_pipeline:
+            chunked = chunk_batch(list(lengths), min(self.num_slices, max(lengths)), chunk_time_model(self.cost_model))
+            found = group_sequences(
+                PlannedChunks.from_plan(chunked, lengths), boundaries, self.profile, self.budget,
+                cost_model=self.cost_model, objective=self.objective, options=self.options,
+                time_limit=self.time_limit, relative_gap=self.relative_gap,
+            )
+        found = strategy.share_in_pipeline(found, "the sequence grouping")
         self.results.append(found)
         log.debug("batch %d: %d pipelines, groups per pipeline %s", batch_idx, found.num_pipelines, found.chunks.pipelines)
 

@@ -76,6 +76,9 @@ class MemoryPlanResult:
         recompute_seconds: total seconds of recomputation and offload stalls added over all ranks.
         method: ``"none"`` (nothing needed), ``"milp"`` or ``"greedy"``.
         budget: bytes per device the plan was chosen for.
+        gap: how far the plan's objective may be above the best under the model, as a fraction of it
+            (HiGHS's reported relative gap): 0 when nothing was needed or the MILP proved optimality
+            to its tolerance, inf for a greedy plan (no bound).
     """
 
     plan: MemoryPlan
@@ -84,6 +87,7 @@ class MemoryPlanResult:
     recompute_seconds: float
     method: str
     budget: float
+    gap: float = 0.0
 
 
 def profile_cost_model(profile: MemoryProfile, device_flops: float = 1e12) -> CostModel:
@@ -564,15 +568,17 @@ def _milp_cost(problem: _Problem, options: list[str], v: _Variables, with_time: 
     return cost
 
 
-def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_limit: float) -> dict[str, np.ndarray] | None:
-    """Recompute/offload block counts per (option, stage, microbatch) from a MILP (HiGHS), or None
-    when the solver finds no solution in ``time_limit`` seconds."""
+def _solve_milp(
+    problem: _Problem, objective: str, tie_diagonals: bool, time_limit: float, relative_gap: float = 1e-4
+) -> tuple[dict[str, np.ndarray] | None, float]:
+    """Recompute/offload block counts per (option, stage, microbatch) from a MILP (HiGHS) and the
+    relative gap it reached, or (None, inf) when the solver finds no solution in ``time_limit`` seconds."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
     options = [o for o in problem.options if problem.gain[o].max() > 0]
     if not options:
-        return _zero_counts(problem)
+        return _zero_counts(problem), 0.0
     with_time = objective == "makespan"
     operations, last_of_rank = _operations(problem.program) if with_time else ([], [])
     v = _milp_variables(problem, options, tie_diagonals, len(operations), with_time)
@@ -596,14 +602,17 @@ def _solve_milp(problem: _Problem, objective: str, tie_diagonals: bool, time_lim
         constraints=LinearConstraint(matrix, np.array(rows.lower), np.array(rows.upper)),
         integrality=integrality,
         bounds=Bounds(np.zeros(v.num), upper_bounds),
-        options={"time_limit": time_limit, "disp": False},
+        options={"time_limit": time_limit, "disp": False, "mip_rel_gap": relative_gap},
     )
     if result.x is None:
-        return None
+        return None, math.inf
     counts = _zero_counts(problem)
     for (o, s, m), c in v.count.items():
         counts[o][s, m] = round(result.x[c])
-    return counts
+    gap = getattr(result, "mip_gap", None)  # absent when presolve alone solved it
+    if gap is None:
+        gap = 0.0 if result.status == 0 else math.inf
+    return counts, max(0.0, float(gap))
 
 
 def _diagonal_index(program: Program) -> dict[tuple[int, int], int]:
@@ -668,6 +677,7 @@ def plan_memory(
     mlp_chunk_size: int | None = None,
     time_limit: float = 10.0,
     chunks: ChunkMemory | None = None,
+    relative_gap: float = 1e-4,
 ) -> MemoryPlanResult:
     """The plan with the smallest simulated step time whose predicted peak fits ``budget`` on every rank.
 
@@ -691,9 +701,12 @@ def plan_memory(
             (``planning/chunk_memory.py``: masks and a slice's context, removed by full recompute and
             offload; the key/value store of earlier slices, removed by nothing). Each chunk's own
             length is in ``shapes``.
+        relative_gap: HiGHS stops once its plan is proven within this fraction of the best (its
+            default, 1e-4, is exact for planning purposes; callers that solve many plans per batch
+            trade a stated gap for time).
 
     Returns:
-        The plan, its predicted memory, simulated step time and added seconds.
+        The plan, its predicted memory, simulated step time, added seconds and the gap reached.
 
     Raises:
         MemoryBudgetError: if no plan fits; the message gives the smallest budget that would.
@@ -709,27 +722,27 @@ def plan_memory(
     )
     empty = _zero_counts(problem)
 
-    def result(counts, name) -> MemoryPlanResult | None:
+    def result(counts, name, gap) -> MemoryPlanResult | None:
         plan = problem.plan_of(counts)
         prediction = predict_memory(program, problem.boundaries, shapes, plan, profile, problem.static_stage, chunks)
         if not prediction.fits(budget):
             return None
-        return MemoryPlanResult(plan, prediction, problem.step_seconds(counts), problem.added_seconds(counts), name, budget)
+        seconds, added = problem.step_seconds(counts), problem.added_seconds(counts)
+        return MemoryPlanResult(plan, prediction, seconds, added, name, budget, gap)
 
-    found = result(empty, "none")
+    found = result(empty, "none", 0.0)
     if found is not None:
         return found
-    counts = None
     if method == "milp":
-        counts = _solve_milp(problem, objective, tie_diagonals, time_limit)
+        counts, gap = _solve_milp(problem, objective, tie_diagonals, time_limit, relative_gap)
         if counts is not None:
-            found = result(counts, "milp")
+            found = result(counts, "milp", gap)
             if found is None:  # per-block means differed from exact bytes: repair greedily
                 repaired = plan_greedy(problem, counts)
-                found = result(repaired, "milp") if repaired is not None else None
+                found = result(repaired, "milp", math.inf) if repaired is not None else None
     if found is None:
         counts = plan_greedy(problem)
-        found = result(counts, "greedy") if counts is not None else None
+        found = result(counts, "greedy", math.inf) if counts is not None else None
     if found is None:
         raise MemoryBudgetError(_nothing_fits(problem))
     return found

@@ -1184,6 +1184,20 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return [obj]
         return collectives.gather_objects(obj, self.layout.pipeline_ranks()[0], self.groups.pipeline)
 
+    @property
+    def first_in_pipeline(self) -> bool:
+        """Whether this process runs its pipeline's first rank (the one that decides for the pipeline)."""
+        return self.global_rank == self.layout.pipeline_ranks()[0]
+
+    def share_in_pipeline(self, obj: Any, what: str) -> Any:
+        """The pipeline's first rank's ``obj`` on every rank of this pipeline (a collective of the
+        pipeline). For planners: a search stopped by a time limit may end differently on another rank,
+        so one rank searches and every stage runs what it found. ``what`` names it in timeout errors."""
+        if self.pipeline_parallel_size == 1:
+            return obj
+        first = self.layout.pipeline_ranks()[0]
+        return collectives.broadcast_object(obj, first, self.groups.pipeline, f"{what} from rank {first} (its pipeline's first)")
+
     # --- optimization ---------------------------------------------------------------------------
 
     @override

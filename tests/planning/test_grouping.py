@@ -110,3 +110,18 @@ def test_groups_are_reordered_longest_first():
     found = group_sequences(mixed, BOUNDARIES, profile, math.inf, cost_model=cost)
     assert found.chunks.slices == tuple(sorted(chunks.slices, reverse=True))
     assert [mixed.pieces[m] for m in found.order] == list(found.chunks.pieces)
+
+
+def test_stated_gap_bounds_the_grouping_and_parallel_solves_agree():
+    """With a relative gap per memory plan the grouping costs at least the exact one (solved one at a
+    time to HiGHS's tolerance) and at most ``1 / (1 - gap)`` times it; solving the plans on several
+    threads finds the same grouping as one at a time."""
+    cost, chunks, profile, none, full = _setup()
+    budget = (none + full) / 2
+    args = (chunks, BOUNDARIES, profile, budget)
+    exact = group_sequences(*args, cost_model=cost, options=("full",), relative_gap=0.0, workers=1)
+    loose = group_sequences(*args, cost_model=cost, options=("full",), relative_gap=0.05, workers=4)
+    parallel = group_sequences(*args, cost_model=cost, options=("full",), relative_gap=0.0, workers=4)
+    assert exact.gap <= 1e-6 and 0.0 <= loose.gap <= 0.05
+    assert exact.seconds <= loose.seconds * (1 + 1e-12) <= exact.seconds / (1 - loose.gap) * (1 + 1e-9)
+    assert (parallel.chunks, parallel.memory, parallel.seconds) == (exact.chunks, exact.memory, exact.seconds)
