@@ -4,12 +4,20 @@ Planners are pure computation (numpy, HiGHS), so they can run beside the step; t
 joins the job before the next batch and gets the plan, or the planner's exception re-raised there.
 Jobs run on one worker thread per process, started with the first job: starting a thread per job
 cost the training thread about 2 ms a batch (``Thread.start`` waits until the new thread runs).
+
+On Linux the worker thread runs at the lowest CPU priority (nice 19, for that thread only): on a
+machine whose cores all train (CPU training, one process per core) a planner at equal priority
+takes its CPU time from the step, and the planners do not price that; at the lowest priority it runs
+in the step's idle time (pipeline bubbles, waits on messages) and at full speed once the training
+thread blocks on its result.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -25,8 +33,20 @@ def _worker() -> concurrent.futures.ThreadPoolExecutor:
     pid = os.getpid()
     if pid not in _WORKER:
         _WORKER.clear()
-        _WORKER[pid] = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-pipe-lookahead")
+        _WORKER[pid] = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lightning-pipe-lookahead", initializer=_lowest_priority
+        )
     return _WORKER[pid]
+
+
+def _lowest_priority() -> None:
+    """Nice 19 for the calling thread only: Linux applies ``setpriority`` to a thread id alone (other
+    systems would apply it to a process, so they keep the default)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # not permitted here: plan at the default priority
+            pass
 
 
 class LookaheadJob(Generic[Result]):
