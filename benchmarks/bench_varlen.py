@@ -20,6 +20,8 @@ key-padding mask, token-averaged cross-entropy), the same in every row. Rows:
   lp-repartition   ``lp`` plus the ``ElasticRepartition`` callback.
   lp-auto          ``lp`` plus the ``AutoPlanner`` callback: partition, family, microbatching and
                    memory plan chosen jointly per batch (the family starts as 1F1B).
+  lp-auto-eager    ``lp-auto`` with its lookahead thread at the training thread's CPU priority (an
+                   ablation: the library lowers it on Linux, ``callbacks/_lookahead.py``).
 
 Every pipeline row uses 2 processes (gloo, 1 thread each), 2 stages of 3 blocks, ``--microbatches``
 microbatches and AdamW; the same seed, batches and number of steps. The rows run one after
@@ -69,6 +71,7 @@ CONFIGS = {
     "lp": "lightning-pipe 1F1B (defaults)",
     "lp-repartition": "lightning-pipe 1F1B + ElasticRepartition",
     "lp-auto": "lightning-pipe + AutoPlanner (joint plan)",
+    "lp-auto-eager": "lp-auto, lookahead at the step's CPU priority",
 }
 VOCAB = 256
 
@@ -296,7 +299,11 @@ def run_lightning_pipe(args: argparse.Namespace, out: str, config: str) -> None:
     def save(trainer, seconds: list[float]) -> None:
         write(out, config, trainer.global_rank, seconds, batches, args)
 
-    planners = {"lp-repartition": [ElasticRepartition()], "lp-auto": [AutoPlanner()]}
+    planners = {"lp-repartition": [ElasticRepartition()], "lp-auto": [AutoPlanner()], "lp-auto-eager": [AutoPlanner()]}
+    if config == "lp-auto-eager":
+        from lightning_pipe.callbacks import _lookahead
+
+        _lookahead._lowest_priority = lambda: None  # the ablation: the thread keeps the default priority
     callbacks = [StepTimer(args.warmup, save), *planners.get(config, [])]
     strategy = ElasticPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=args.microbatches, schedule="1f1b", trim_padding=config != "lp-padded"
@@ -339,7 +346,10 @@ def launch(config: str, args: argparse.Namespace, out: str) -> float:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument(
+        "--only", nargs="+", choices=list(CONFIGS), default=[c for c in CONFIGS if c != "lp-auto-eager"],
+        help="rows to run (default: all but the lp-auto-eager ablation)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="times every row runs, order rotated each round")
     parser.add_argument("--steps", type=int, default=16, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
