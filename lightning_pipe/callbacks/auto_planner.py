@@ -16,11 +16,23 @@ global rank 0 plans, and its plan is broadcast to every rank (the others do not 
 A :class:`~lightning_pipe.planning.joint.JointCache` keeps the searches, so a batch whose microbatches
 have shapes seen before (fixed-length data, a recurring length signature) is planned from them.
 
+Calibration: the cost model prices compute and messages per unit, not what a stage run costs beyond
+its units (the step's call, hooks, the runtime's bookkeeping), and that differs between families: on
+the 6-block CPU model of ``bench_varlen`` the measured step was about 0.8x the prediction under 1F1B
+and about 1.05x under interleaved 1F1B (4 stages), so uncalibrated the planner chose interleaved on
+every batch and ran 0.87x the defaults. Each family's predictions are therefore multiplied by its
+measured over predicted step seconds (median of the last ``calibration_window`` batches run with it;
+``JointConfig.family_scale``). A family with fewer than two measured batches is explored: when its
+best plan is predicted within ``explore_within`` of the chosen one, that plan runs instead, so the
+family is judged by its own steps (the factors differ by more than the model's margins between
+families: a family the uncalibrated model ranks second may be the fastest). Until measured it is
+priced at the smallest of 1 and the measured factors.
+
 It explains its choice through the Lightning logger every step: ``auto/predicted_step_s``,
 ``auto/measured_step_s`` (after the plan was applied to the end of the batch, the maximum over
 ranks), ``auto/gap`` (stated optimality gap), ``auto/planning_s`` (seconds of the search),
 ``auto/planning_waited_s`` (seconds the step waited for it: what lookahead did not hide),
-``auto/migration_s`` and
+``auto/migration_s``, ``auto/scale`` (the calibration factor the chosen family was priced with) and
 ``auto/bought_<lever>_s`` for ``partition``, ``family``, ``microbatching`` and ``memory``: how many
 simulated seconds the best plan holding that lever at its running value (even microbatches, no
 memory plan) would take beyond the chosen one (at least that many where the search pruned the
@@ -29,9 +41,12 @@ memory plan) would take beyond the chosen one (at least that many where the sear
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +58,7 @@ from lightning_pipe.callbacks._lookahead import LookaheadJob
 from lightning_pipe.planning.cost_model import CostModel
 from lightning_pipe.planning.joint import EVEN, JointCache, JointConfig, JointPlan, plan_joint, plan_migration_seconds
 from lightning_pipe.planning.memory_model import FULL, OFFLOAD, MemoryPlan, parse_size
+from lightning_pipe.planning.memory_planner import MemoryBudgetError
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.schedules import resolve_schedule
@@ -69,6 +85,8 @@ class AutoPlanStep:
         planning_waited_seconds: wall seconds this batch waited on global rank 0 for its plan before
             the step (the rest of a lookahead still running, or the whole search without one): the
             planning time lookahead did not hide (the broadcast of the plan is not in it).
+        scale: the calibration factor the plan's family was priced with (``predicted_step_seconds``
+            includes it).
     """
 
     batch_idx: int
@@ -81,6 +99,7 @@ class AutoPlanStep:
     planning_seconds: float
     looked_ahead: bool
     planning_waited_seconds: float = 0.0
+    scale: float = 1.0
 
 
 class AutoPlanner(L.Callback):
@@ -108,6 +127,10 @@ class AutoPlanner(L.Callback):
             time count with their bound, so the stated gap stays true.
         lookahead: plan the next batch in the background while the current one trains.
         priority: the proposal's priority (high: the joint plan wins the parts it sets).
+        calibrate: price each family at its measured over predicted step seconds (module docstring).
+        calibration_window: batches per family the calibration takes its median over.
+        explore_within: with ``calibrate``, a family measured on fewer than two batches runs its best
+            plan when that is predicted within this fraction of the chosen plan's step.
     """
 
     def __init__(
@@ -127,6 +150,9 @@ class AutoPlanner(L.Callback):
         time_limit: float | str | None = "auto",
         lookahead: bool = True,
         priority: int = 100,
+        calibrate: bool = True,
+        calibration_window: int = 8,
+        explore_within: float = 0.25,
     ) -> None:
         if not families:
             raise ValueError("`AutoPlanner(families=())` has nothing to choose from.")
@@ -138,6 +164,11 @@ class AutoPlanner(L.Callback):
             raise ValueError(f"`AutoPlanner(time_limit={time_limit!r})`: use seconds >= 0, None or 'auto'.")
         if horizon_steps < 1 or margin < 0:
             raise ValueError(f"`AutoPlanner`: horizon_steps must be >= 1 and margin >= 0, got {horizon_steps}, {margin}")
+        if calibration_window < 1 or explore_within < 0:
+            raise ValueError(
+                f"`AutoPlanner`: calibration_window must be >= 1 and explore_within >= 0, got {calibration_window}, "
+                f"{explore_within}."
+            )
         self.budget = None if budget is None else parse_size(budget)
         self.families = tuple(families)
         self.microbatch_counts = None if microbatch_counts is None else tuple(microbatch_counts)
@@ -154,6 +185,10 @@ class AutoPlanner(L.Callback):
         self._last_step_seconds: float | None = None
         self.lookahead = lookahead
         self.priority = priority
+        self.calibrate = calibrate
+        self.calibration_window = calibration_window
+        self.explore_within = explore_within
+        self.ratios: dict[str, deque[float]] = {}  # per family: measured over predicted (unscaled) step seconds
         self.history: list[AutoPlanStep] = []
         self._job: LookaheadJob | None = None
         self._pending: dict[str, Any] = {}
@@ -206,7 +241,11 @@ class AutoPlanner(L.Callback):
             self._job.join()  # stale: the running plan or the batch differs from what was planned for
         result = None
         if planner:
-            result = self._job.join() if looked_ahead else self._plan(strategy, lengths, running, budget, profile, layout)
+            calibration = self._calibration()
+            result = (
+                self._job.join() if looked_ahead
+                else self._plan(strategy, lengths, running, budget, profile, layout, calibration)
+            )
         self._job = None
         waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's)
         if strategy.world_size > 1:
@@ -225,12 +264,14 @@ class AutoPlanner(L.Callback):
             upcoming_lengths = self._heaviest([e[1] for e in everyone])
             next_running = PipelinePlan(plan.boundaries, plan.schedule, plan.num_microbatches, plan.memory)
             next_layout = self._layout(strategy, upcoming)
+            next_calibration = self._calibration()  # taken here: the windows change on this thread
             next_key = (
                 tuple(upcoming_lengths), next_running.boundaries, next_running.schedule, next_running.num_microbatches,
                 next_layout,
             )
             self._job = LookaheadJob(
-                next_key, lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile, next_layout),
+                next_key,
+                lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile, next_layout, next_calibration),
                 "AutoPlanner-plan",
             )
         self._pending = {
@@ -255,8 +296,13 @@ class AutoPlanner(L.Callback):
         bought = self._bought(result, pending["running"])
         step = AutoPlanStep(
             batch_idx, result.plan, result.step_seconds, measured, result.gap, bought, result.migration_seconds,
-            result.planning_seconds, pending["looked_ahead"], pending["waited"],
+            result.planning_seconds, pending["looked_ahead"], pending["waited"], result.scale,
         )
+        ran = strategy.plan.schedule.name == result.plan.schedule.name  # not overridden by another proposal
+        if self.history and ran and result.step_seconds > 0:  # the first batch ran the probes and warmed up
+            family = result.plan.schedule.name
+            window = self.ratios.setdefault(family, deque(maxlen=self.calibration_window))
+            window.append(measured / (result.step_seconds / result.scale))
         self.history.append(step)
         self._last_step_seconds = measured
         metrics = {
@@ -270,6 +316,7 @@ class AutoPlanner(L.Callback):
             "auto/num_microbatches": float(step.plan.num_microbatches),
             "auto/balanced_microbatches": float(step.plan.microbatch_sizes is not None),
             "auto/memory_plan": float(step.plan.memory is not None and not step.plan.memory.is_empty),
+            "auto/scale": step.scale,
         }
         metrics.update({f"auto/bought_{lever}_s": s for lever, s in bought.items() if math.isfinite(s)})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
@@ -283,13 +330,25 @@ class AutoPlanner(L.Callback):
 
     # --- planning ------------------------------------------------------------------------------------
 
-    def _config(self, strategy: Any, layout: tuple[bool, bool]) -> JointConfig:
+    def _config(self, strategy: Any, layout: tuple[bool, bool], family_scale: tuple = ()) -> JointConfig:
         return JointConfig(
             families=self.families, microbatch_counts=self.microbatch_counts or (strategy.num_microbatches,),
             microbatching=self.microbatching, memory_options=self.memory_options, memory_method=self.memory_method,
             relative_gap=self.relative_gap, partition_time_limit=self.partition_time_limit,
-            time_limit=self._time_limit(), padded=layout[0], grouped=layout[1],
+            time_limit=self._time_limit(), padded=layout[0], grouped=layout[1], family_scale=family_scale,
         )
+
+    def _calibration(self) -> tuple[tuple[tuple[str, float], ...], tuple[str, ...]]:
+        """Each family's calibration factor (the median of its measured over predicted steps; for one
+        not measured yet the smallest of 1 and the measured factors) and the families still to explore
+        (measured on fewer than two batches); nothing before any measurement or with ``calibrate=False``."""
+        measured = {family: statistics.median(window) for family, window in self.ratios.items() if window}
+        if not self.calibrate or not measured:
+            return (), ()
+        prior = min(1.0, *measured.values())
+        names = [resolve_schedule(f).name for f in self.families]
+        unexplored = tuple(name for name in names if len(self.ratios.get(name, ())) < 2)
+        return tuple((name, measured.get(name, prior)) for name in names), unexplored
 
     def _time_limit(self) -> float | None:
         if self.time_limit == "auto":
@@ -298,7 +357,7 @@ class AutoPlanner(L.Callback):
 
     def _plan(
         self, strategy: Any, lengths: list[int], running: PipelinePlan, budget: float | None, profile: Any,
-        layout: tuple[bool, bool],
+        layout: tuple[bool, bool], calibration: tuple = ((), ()),
     ) -> JointPlan:
         model = self._model
         assert model is not None
@@ -312,10 +371,25 @@ class AutoPlanner(L.Callback):
         defaults = [strategy.default_boundaries(n) for n in stage_counts if n <= model.num_blocks]
         if profile is not None and profile.num_blocks != model.num_blocks:
             profile = None
-        return plan_joint(
-            model, lengths, ranks, budget, profile=profile, config=self._config(strategy, layout), current=running,
-            partitions=defaults, migration=migration, cache=self.cache,
-        )
+        family_scale, unexplored = calibration
+        config = self._config(strategy, layout, family_scale)
+
+        def search(config: JointConfig) -> JointPlan:
+            return plan_joint(
+                model, lengths, ranks, budget, profile=profile, config=config, current=running, partitions=defaults,
+                migration=migration, cache=self.cache,
+            )
+
+        result = search(config)
+        for name in unexplored:
+            if name != result.plan.schedule.name and result.best_where(schedule=name) <= result.step_seconds * (
+                1.0 + self.explore_within
+            ):
+                try:
+                    return search(dataclasses.replace(config, families=(name,)))
+                except MemoryBudgetError:
+                    continue
+        return result
 
     def _stages_per_rank(self) -> set[int]:
         return {resolve_schedule(f).stages_per_rank for f in self.families}

@@ -132,6 +132,10 @@ class JointConfig:
             (``Packer(max_tokens=..., slicing=True)``) to run the chosen chunks.
         max_chunk_tokens: chunkings whose longest chunk holds more tokens are left out (the packer's
             ``max_tokens``); None: no limit.
+        family_scale: ``(family name, factor)`` pairs: that family's simulated seconds are multiplied by
+            the factor (``AutoPlanner``'s measured over predicted steps per family: what the linear
+            cost model leaves out, such as the fixed cost of a stage run, differs between families).
+            Bounds, gap and ``best_where`` are then in scaled seconds. Unlisted families: 1.
     """
 
     families: tuple = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b")
@@ -148,10 +152,15 @@ class JointConfig:
     grouped: bool = False
     chunkings: tuple[int, ...] = ()
     max_chunk_tokens: int | None = None
+    family_scale: tuple[tuple[str, float], ...] = ()
 
     def counts(self, num_ranks: int) -> tuple[int, ...]:
         """The microbatch counts for ``num_ranks`` pipeline ranks."""
         return self.microbatch_counts or (num_ranks, 2 * num_ranks, 4 * num_ranks)
+
+    def scale(self, family: str) -> float:
+        """The factor on ``family``'s simulated seconds (``family_scale``; 1 if unlisted)."""
+        return dict(self.family_scale).get(family, 1.0)
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,14 @@ class JointCandidate:
     step_seconds: float
     lower_bound_seconds: float
 
+    def scaled(self, factor: float) -> JointCandidate:
+        """The candidate with its seconds multiplied by ``factor`` (``JointConfig.family_scale``)."""
+        if factor == 1.0:
+            return self
+        return dataclasses.replace(
+            self, step_seconds=self.step_seconds * factor, lower_bound_seconds=self.lower_bound_seconds * factor
+        )
+
 
 @dataclass(frozen=True)
 class JointPlan:
@@ -191,6 +208,8 @@ class JointPlan:
         candidates: every priced candidate.
         planning_seconds: wall seconds of the search.
         migration_seconds: the price of moving to the chosen plan (0 without a ``migration`` price).
+        scale: the factor the chosen family's seconds were multiplied by (``JointConfig.family_scale``):
+            ``step_seconds / scale`` is the plan's simulated step.
     """
 
     plan: PipelinePlan
@@ -200,6 +219,7 @@ class JointPlan:
     candidates: tuple[JointCandidate, ...] = field(repr=False)
     planning_seconds: float = 0.0
     migration_seconds: float = 0.0
+    scale: float = 1.0
 
     def best_where(self, **fixed: object) -> float:
         """The best step time among candidates whose plan has the given parts (``schedule=``,
@@ -355,7 +375,8 @@ class JointCache:
 
     def bind(self, cost_model: CostModel, profile: MemoryProfile | None, config: JointConfig) -> None:
         """Use the cache for these inputs; forget everything if they are not the ones of before."""
-        config = dataclasses.replace(config, time_limit=None)  # the deadline does not change what a search finds
+        # neither the deadline nor the families' scales change what a search finds (scales apply after)
+        config = dataclasses.replace(config, time_limit=None, family_scale=())
         with self._lock:
             owner = self._owner
             if owner is None or owner[0] is not cost_model or owner[1] is not profile or owner[2] != config:
@@ -424,24 +445,29 @@ def plan_joint(
     # Branch and bound over the (family, microbatching) groups, the most promising first (the best
     # partition a quick local search finds): a group whose lower bound is above the best step plus
     # migration found cannot hold the choice (memory plans and moves only add time), and a group's
-    # exact search only looks below it.
+    # exact search only looks below it. A family's scale multiplies its group's seconds and bounds;
+    # the searches inside see the best found divided by it.
     price = migration or (lambda plan: 0.0)
     candidates: list[JointCandidate] = []
     moves: dict[int, float] = {}
     best_total = math.inf
     bounds = []
-    for group in sorted(groups, key=lambda g: (g.quick.step_seconds, g.bound)):
-        if group.bound > best_total or (search.out_of_time() and math.isfinite(best_total)):
-            bounds.append(group.bound)
-            candidates.append(group.pruned())
+    scale_of = lambda group: config.scale(group.schedule.name)  # noqa: E731
+    for group in sorted(groups, key=lambda g: (g.quick.step_seconds * scale_of(g), g.bound * scale_of(g))):
+        scale = scale_of(group)
+        if group.bound * scale > best_total or (search.out_of_time() and math.isfinite(best_total)):
+            bounds.append(group.bound * scale)
+            candidates.append(group.pruned().scaled(scale))
             continue
         search.found_any = math.isfinite(best_total)
-        group = search.search_free(group, best_total)
-        bounds.append(group.bound)
-        if group.free.step_seconds >= best_total:  # nothing in the group is faster than the best found
-            candidates.append(group.pruned())
+        group = search.search_free(group, best_total / scale)
+        bounds.append(group.bound * scale)
+        if group.free.step_seconds * scale >= best_total:  # nothing in the group is faster than the best found
+            candidates.append(group.pruned().scaled(scale))
             continue
-        for candidate in search.price(group, current, partitions, best_total, price):
+        unscaled_price = lambda plan, scale=scale: price(plan) / scale  # noqa: E731
+        for candidate in search.price(group, current, partitions, best_total / scale, unscaled_price):
+            candidate = candidate.scaled(scale)
             candidates.append(candidate)
             if math.isfinite(candidate.step_seconds):
                 moves[id(candidate)] = price(candidate.plan)
@@ -458,7 +484,7 @@ def plan_joint(
     gap = fastest / lower - 1.0 if lower > 0 else 0.0
     return JointPlan(
         best.plan, best.step_seconds, lower, max(gap, 0.0), tuple(candidates), time.perf_counter() - started,
-        moves[id(best)],
+        moves[id(best)], config.scale(best.plan.schedule.name),
     )
 
 

@@ -32,6 +32,32 @@ def test_auto_planner_parity_and_logs(tmp_path):
     assert all(g == pytest.approx(0.0, abs=1e-9) for g in gaps)  # no budget: proven optimal
     assert logged(tmp_path / "pipe", "auto/looked_ahead")[1:] == [1.0, 1.0, 1.0]
     assert len(logged(tmp_path / "pipe", "auto/bought_microbatching_s")) == 4
+    # calibration: batch 0 (probes, warm-up) is not measured, and batch 2 was planned while batch 1
+    # ran, so batch 3 is the first priced with a measured factor: batch 1's measured over predicted
+    # step (its own family's, or optimistically at most 1 for a family not measured yet)
+    scales = logged(tmp_path / "pipe", "auto/scale")
+    ratio = measured[1] / predicted[1]
+    assert scales[:3] == [1.0, 1.0, 1.0]
+    assert scales[3] == pytest.approx(ratio, rel=1e-6) or scales[3] == pytest.approx(min(1.0, ratio), rel=1e-6)
+
+
+def test_calibration_prices_each_family_at_its_measured_ratio_and_explores_the_rest():
+    """A family's factor is the median of its measured over predicted steps; one not measured yet
+    gets the smallest of 1 and the measured factors, and is explored until measured twice."""
+    from collections import deque
+
+    planner = AutoPlanner(families=("1f1b", "interleaved_1f1b", "gpipe"))
+    assert planner._calibration() == ((), ())  # nothing measured: the model as it is
+    planner.ratios["interleaved_1f1b"] = deque([1.2, 1.0, 1.1])
+    planner.ratios["1f1b"] = deque([0.8])
+    scale, unexplored = planner._calibration()
+    assert dict(scale) == {"1f1b": 0.8, "interleaved_1f1b": pytest.approx(1.1), "gpipe": 0.8}
+    assert unexplored == ("1f1b", "gpipe")
+    uncalibrated = AutoPlanner(calibrate=False, families=("1f1b",))
+    uncalibrated.ratios["1f1b"] = deque([0.8, 0.9])
+    assert uncalibrated._calibration() == ((), ())
+    with pytest.raises(ValueError, match="explore_within"):
+        AutoPlanner(explore_within=-1)
 
 
 def test_auto_planner_rejects_other_strategies():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_pipe.planning import MemoryBudgetError, gpt_cost_model, plan_partition
@@ -163,3 +165,23 @@ def test_chunkings_stay_within_the_time_limit():
     assert any(c.microbatching.startswith("chunks") for c in hurried.candidates)
     assert hurried.lower_bound_seconds <= full.step_seconds + 1e-12
     assert hurried.step_seconds >= full.lower_bound_seconds - 1e-12
+
+
+def test_a_family_scale_multiplies_that_familys_seconds_and_moves_the_choice():
+    """``family_scale`` prices a family's plans at its factor times their simulated seconds: scaled
+    down, the chosen family's plan costs that much less; scaled far up, the best of the other
+    families is chosen, at exactly what a search of those families alone finds. The gap stays proven."""
+    model = _model()
+    config = JointConfig(families=("1f1b", "interleaved_1f1b"), microbatch_counts=(4,))
+    unscaled = plan_joint(model, LENGTHS, RANKS, None, config=config)
+    chosen = unscaled.plan.schedule.name
+    other = next(f for f in config.families if f != chosen)
+    cheaper = plan_joint(model, LENGTHS, RANKS, None, config=dataclasses.replace(config, family_scale=((chosen, 0.5),)))
+    assert cheaper.plan.schedule.name == chosen
+    assert cheaper.step_seconds == pytest.approx(0.5 * unscaled.step_seconds, rel=1e-12)
+    dearer = plan_joint(model, LENGTHS, RANKS, None, config=dataclasses.replace(config, family_scale=((chosen, 10.0),)))
+    alone = plan_joint(model, LENGTHS, RANKS, None, config=dataclasses.replace(config, families=(other,)))
+    assert dearer.plan.schedule.name == other
+    assert dearer.step_seconds == pytest.approx(alone.step_seconds, rel=1e-12)
+    assert dearer.best_where(schedule=chosen) > dearer.step_seconds
+    assert dearer.gap == pytest.approx(0.0, abs=1e-12)
