@@ -17,16 +17,16 @@ A :class:`~lightning_pipe.planning.joint.JointCache` keeps the searches, so a ba
 have shapes seen before (fixed-length data, a recurring length signature) is planned from them.
 
 Calibration: the cost model prices compute and messages per unit, not what a stage run costs beyond
-its units (the step's call, hooks, the runtime's bookkeeping), and that differs between families: on
-the 6-block CPU model of ``bench_varlen`` the measured step was about 0.8x the prediction under 1F1B
-and about 1.05x under interleaved 1F1B (4 stages), so uncalibrated the planner chose interleaved on
-every batch and ran 0.87x the defaults. Each family's predictions are therefore multiplied by its
-measured over predicted step seconds (median of the last ``calibration_window`` batches run with it;
-``JointConfig.family_scale``). A family with fewer than two measured batches is explored: when its
-best plan is predicted within ``explore_within`` of the chosen one, that plan runs instead, so the
-family is judged by its own steps (the factors differ by more than the model's margins between
-families: a family the uncalibrated model ranks second may be the fastest). Until measured it is
-priced at the smallest of 1 and the measured factors.
+its units (the step's call, hooks, the runtime's bookkeeping), and that may differ between families
+(one stage per rank or several). Each family's predictions are multiplied by its measured over
+predicted step seconds (median of the last ``calibration_window`` batches run with it;
+``JointConfig.family_scale``); a family not measured yet is priced at the smallest of 1 and the
+measured factors. The family the run started with (the user's ``schedule``) is the baseline: until
+it has two measured batches, its best plan runs whenever it is predicted within ``explore_within``
+of the chosen one, so the planner keeps another family only if that family's own steps beat it.
+Measured on ``bench_varlen``'s FLAN trace (19 batches a run) the factors came out between 0.8 and 1.1
+and varied between runs by as much as between families, and exploring every family (an earlier
+version) cost more batches than it paid back; see README's Limits.
 
 It explains its choice through the Lightning logger every step: ``auto/predicted_step_s``,
 ``auto/measured_step_s`` (after the plan was applied to the end of the batch, the maximum over
@@ -129,8 +129,8 @@ class AutoPlanner(L.Callback):
         priority: the proposal's priority (high: the joint plan wins the parts it sets).
         calibrate: price each family at its measured over predicted step seconds (module docstring).
         calibration_window: batches per family the calibration takes its median over.
-        explore_within: with ``calibrate``, a family measured on fewer than two batches runs its best
-            plan when that is predicted within this fraction of the chosen plan's step.
+        explore_within: with ``calibrate``, while the family the run started with is measured on fewer
+            than two batches, its best plan runs when predicted within this fraction of the chosen one.
     """
 
     def __init__(
@@ -188,6 +188,7 @@ class AutoPlanner(L.Callback):
         self.calibrate = calibrate
         self.calibration_window = calibration_window
         self.explore_within = explore_within
+        self._baseline: str | None = None  # the family the run started with
         self.ratios: dict[str, deque[float]] = {}  # per family: measured over predicted (unscaled) step seconds
         self.history: list[AutoPlanStep] = []
         self._job: LookaheadJob | None = None
@@ -205,6 +206,7 @@ class AutoPlanner(L.Callback):
             )
         if self.budget is not None:
             strategy.memory.set_budget(self.budget)
+        self._baseline = strategy.schedule.name  # the family the run starts with
 
     # --- hooks -------------------------------------------------------------------------------------
 
@@ -340,14 +342,16 @@ class AutoPlanner(L.Callback):
 
     def _calibration(self) -> tuple[tuple[tuple[str, float], ...], tuple[str, ...]]:
         """Each family's calibration factor (the median of its measured over predicted steps; for one
-        not measured yet the smallest of 1 and the measured factors) and the families still to explore
-        (measured on fewer than two batches); nothing before any measurement or with ``calibrate=False``."""
+        not measured yet the smallest of 1 and the measured factors) and the family still to explore (the
+        baseline, while measured on fewer than two batches); nothing before any measurement or with
+        ``calibrate=False``."""
         measured = {family: statistics.median(window) for family, window in self.ratios.items() if window}
         if not self.calibrate or not measured:
             return (), ()
         prior = min(1.0, *measured.values())
         names = [resolve_schedule(f).name for f in self.families]
-        unexplored = tuple(name for name in names if len(self.ratios.get(name, ())) < 2)
+        baseline = self._baseline
+        unexplored = (baseline,) if baseline in names and len(self.ratios.get(baseline, ())) < 2 else ()
         return tuple((name, measured.get(name, prior)) for name in names), unexplored
 
     def _time_limit(self) -> float | None:

@@ -43,16 +43,20 @@ def test_auto_planner_parity_and_logs(tmp_path):
 
 def test_calibration_prices_each_family_at_its_measured_ratio_and_explores_the_rest():
     """A family's factor is the median of its measured over predicted steps; one not measured yet
-    gets the smallest of 1 and the measured factors, and is explored until measured twice."""
+    gets the smallest of 1 and the measured factors; the family the run started with is explored
+    until measured twice."""
     from collections import deque
 
     planner = AutoPlanner(families=("1f1b", "interleaved_1f1b", "gpipe"))
+    planner._baseline = "1f1b"  # what setup takes from the strategy's schedule
     assert planner._calibration() == ((), ())  # nothing measured: the model as it is
     planner.ratios["interleaved_1f1b"] = deque([1.2, 1.0, 1.1])
     planner.ratios["1f1b"] = deque([0.8])
     scale, unexplored = planner._calibration()
     assert dict(scale) == {"1f1b": 0.8, "interleaved_1f1b": pytest.approx(1.1), "gpipe": 0.8}
-    assert unexplored == ("1f1b", "gpipe")
+    assert unexplored == ("1f1b",)
+    planner.ratios["1f1b"].append(0.9)
+    assert planner._calibration()[1] == ()
     uncalibrated = AutoPlanner(calibrate=False, families=("1f1b",))
     uncalibrated.ratios["1f1b"] = deque([0.8, 0.9])
     assert uncalibrated._calibration() == ((), ())
