@@ -20,7 +20,9 @@ def _counted(batch):
 def test_auto_planner_parity_and_logs(tmp_path):
     batches = padded_batches(4, batch_size=8, length=8, counted=COUNTED)
     make = lambda: PaddedLM(layers=4).double()  # noqa: E731
-    planner = AutoPlanner(families=("1f1b", "gpipe", "interleaved_1f1b"), microbatch_counts=(2, 4), lengths_fn=_counted)
+    planner = AutoPlanner(
+        families=("1f1b", "gpipe", "interleaved_1f1b"), microbatch_counts=(2, 4), lengths_fn=_counted, calibrate=True
+    )
     strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, start_method=START_METHOD)
     pipelined = fit(make, batches, strategy, devices=2, steps=4, callbacks=[planner], log_dir=tmp_path / "pipe")
     reference = fit(make, reference_batches(batches, 1), steps=4)
@@ -47,7 +49,7 @@ def test_calibration_prices_each_family_at_its_measured_ratio_and_explores_the_r
     until measured twice."""
     from collections import deque
 
-    planner = AutoPlanner(families=("1f1b", "interleaved_1f1b", "gpipe"))
+    planner = AutoPlanner(families=("1f1b", "interleaved_1f1b", "gpipe"), calibrate=True)
     planner._baseline = "1f1b"  # what setup takes from the strategy's schedule
     assert planner._calibration() == ((), ())  # nothing measured: the model as it is
     planner.ratios["interleaved_1f1b"] = deque([1.2, 1.0, 1.1])
@@ -57,7 +59,7 @@ def test_calibration_prices_each_family_at_its_measured_ratio_and_explores_the_r
     assert unexplored == ("1f1b",)
     planner.ratios["1f1b"].append(0.9)
     assert planner._calibration()[1] == ()
-    uncalibrated = AutoPlanner(calibrate=False, families=("1f1b",))
+    uncalibrated = AutoPlanner(families=("1f1b",))  # the default
     uncalibrated.ratios["1f1b"] = deque([0.8, 0.9])
     assert uncalibrated._calibration() == ((), ())
     with pytest.raises(ValueError, match="explore_within"):
