@@ -102,5 +102,12 @@ class PipelineStrategy(Protocol):
     def gather_from_pipeline(self, obj: Any) -> list[Any] | None:
         """One object per pipeline rank on global rank 0 (None elsewhere)."""
 
+    @property
+    def first_in_pipeline(self) -> bool:
+        """Whether this process runs its pipeline's first rank (the one that decides for the pipeline)."""
+
+    def share_in_pipeline(self, obj: Any, what: str) -> Any:
+        """The pipeline's first rank's ``obj`` on every rank of this pipeline (``what`` names it in errors)."""
+
     def split_batch(self, batch: Any, plan: PipelinePlan | None = None, train: bool | None = None) -> Any:
         """The microbatch plan of ``batch`` and its microbatches (a ``SplitBatch``), cut once."""
