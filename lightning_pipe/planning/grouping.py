@@ -142,9 +142,9 @@ def group_sequences(
         time_limit: seconds HiGHS may take per memory plan.
         relative_gap: each memory plan's MILP stops once proven within this fraction of its best.
             The search prices up to ``m (m + 1) / 2`` plans, and the checkpointing MILP closes its
-            last fraction of a percent slowly (at 7B, 4 stages, 20-80 chunks: within 0.4% in 0.4 s,
-            still 0.26% after 10 s), so the default 1% keeps a batch's search to seconds, as the
-            paper's "within 5 seconds" asks; ``gap`` in the result states what was reached.
+            last fraction of a percent slowly (7B, 4 stages, a 20-chunk pipeline: within 0.4% in
+            0.4 s, still 0.26% after 10 s), so the default 1% keeps a batch's search to seconds (the
+            paper: "within 5 seconds"); ``gap`` in the result states what was reached.
         max_pipelines: at most this many pipelines; None: no limit.
         workers: memory plans solved at once (threads: HiGHS releases the GIL), as the paper solves its
             MILPs "concurrently on multiple cores"; None: the machine's cores, at most 8.
