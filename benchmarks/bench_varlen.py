@@ -24,6 +24,8 @@ key-padding mask, token-averaged cross-entropy), the same in every row. Rows:
                    ablation: the library lowers it on Linux, ``callbacks/_lookahead.py``).
   lp-auto-cal      ``lp-auto`` with ``AutoPlanner(calibrate=True)``: each family priced at its
                    measured over predicted steps (an option, off by default; see its docstring).
+  lp-auto-1f1b     ``AutoPlanner(families=("1f1b",), microbatching=("even",))``: only the partition
+                   lever left (an ablation: what the planner's machinery costs apart from its choices).
 
 Every pipeline row uses 2 processes (gloo, 1 thread each), 2 stages of 3 blocks, ``--microbatches``
 microbatches and AdamW; the same seed, batches and number of steps. The rows run one after
@@ -75,8 +77,9 @@ CONFIGS = {
     "lp-auto": "lightning-pipe + AutoPlanner (joint plan)",
     "lp-auto-eager": "lp-auto, lookahead at the step's CPU priority",
     "lp-auto-cal": "lp-auto, AutoPlanner(calibrate=True)",
+    "lp-auto-1f1b": "lp-auto, 1F1B and even microbatches only",
 }
-ABLATIONS = ("lp-auto-eager", "lp-auto-cal")
+ABLATIONS = ("lp-auto-eager", "lp-auto-cal", "lp-auto-1f1b")
 VOCAB = 256
 
 # ----------------------------------------------------------------------------- model and data
@@ -306,6 +309,7 @@ def run_lightning_pipe(args: argparse.Namespace, out: str, config: str) -> None:
     planners = {
         "lp-repartition": [ElasticRepartition()], "lp-auto": [AutoPlanner()], "lp-auto-eager": [AutoPlanner()],
         "lp-auto-cal": [AutoPlanner(calibrate=True)],
+        "lp-auto-1f1b": [AutoPlanner(families=("1f1b",), microbatching=("even",))],
     }
     if config == "lp-auto-eager":
         from lightning_pipe.callbacks import _lookahead
@@ -355,7 +359,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only", nargs="+", choices=list(CONFIGS), default=[c for c in CONFIGS if c not in ABLATIONS],
-        help="rows to run (default: all but the ablations lp-auto-eager and lp-auto-cal)",
+        help="rows to run (default: all but the ablations lp-auto-eager, lp-auto-cal and lp-auto-1f1b)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="times every row runs, order rotated each round")
     parser.add_argument("--steps", type=int, default=16, help="timed steps")
