@@ -15,6 +15,7 @@ thread blocks on its result.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import sys
 import threading
@@ -42,11 +43,11 @@ def _worker() -> concurrent.futures.ThreadPoolExecutor:
 def _lowest_priority() -> None:
     """Nice 19 for the calling thread only: Linux applies ``setpriority`` to a thread id alone (other
     systems would apply it to a process, so they keep the default)."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:  # not permitted here: plan at the default priority
-            pass
+    if not sys.platform.startswith("linux"):
+        return
+    # a container may forbid changing priorities: then the thread plans at the default one
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class LookaheadJob(Generic[Result]):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import sys
+import threading
 
 import pytest
 
@@ -33,3 +36,11 @@ def test_a_forked_process_runs_jobs_on_its_own_thread():
     assert queue.get(timeout=30) == 2
     child.join(timeout=30)
     assert child.exitcode == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities: Linux's setpriority")
+def test_lookahead_thread_plans_at_the_lowest_priority_and_leaves_the_training_thread_alone():
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    job = LookaheadJob("key", lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), "test")
+    assert job.join() == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
