@@ -35,7 +35,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_pipe.model._torch_compat import tree_flatten, tree_leaves, tree_map, view_base
+from lightning_pipe.model._torch_compat import tree_flatten, tree_leaves, tree_map, tree_unflatten, view_base
+from lightning_pipe.model.shape_rules import TensorSpec
 
 Source = tuple  # ("param", name) | ("block", index) | ("inside", index) | ("unknown",)
 
@@ -107,6 +108,12 @@ class PlaceholderMode(TorchFunctionMode):
         observe: treat every parameter as missing and let value reads return the zeros' values
             (recorded in :attr:`reads`) instead of raising.
         describe_block: block index -> its dotted path, for messages.
+        shapes: a memo of the shapes placeholders get, kept across runs by the caller: an operation
+            seen before with the same argument shapes, dtypes, strides and plain values makes its
+            placeholders without running on the meta device again (a meta run takes a few hundred
+            microseconds: embeddings and the code before the blocks, on every microbatch of a later
+            stage). Exact: a meta run depends on nothing else, and one that needs values fails
+            instead of being memoised.
     """
 
     def __init__(
@@ -115,13 +122,14 @@ class PlaceholderMode(TorchFunctionMode):
         parameter_names: dict[int, str],
         observe: bool = False,
         describe_block: Callable[[int], str] | None = None,
+        shapes: dict[Any, tuple[list[Any], Any]] | None = None,
     ) -> None:
         super().__init__()
         self.device = device
         self.parameter_names = parameter_names
         self.observe = observe
         self.describe_block = describe_block
-        self.active = True
+        self.shapes = shapes
         self.inside: int | None = None  # observation: index of the block whose meta twin runs
         self.reads: list[frozenset] = []
         self._run = object()  # tags of earlier runs are ignored (a tensor may outlive a run)
@@ -165,8 +173,6 @@ class PlaceholderMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.active:
-            return func(*args, **kwargs)
         if self.inside is None and ("device" in kwargs or func in _MOVES):
             args, kwargs = real_devices(func, args, kwargs, self.device)
         leaves = _tensor_leaves(args, kwargs)
@@ -198,6 +204,14 @@ class PlaceholderMode(TorchFunctionMode):
             )(*args[1:], **kwargs)
             meta = torch.empty(args[0].shape, dtype=moved.dtype, device="meta")
             return self.placeholder(meta, sources, moved.device)
+        key = _memo_key(func, args, kwargs) if real and self.shapes is not None and not _is_inplace(func, kwargs) else None
+        if key is not None and key in self.shapes:
+            described, spec = self.shapes[key]
+            device = kwargs.get("device") if _is_real_device(kwargs.get("device")) else real[0].device
+            return tree_unflatten(
+                [self.placeholder(item, sources, device) if isinstance(item, TensorSpec) else item for item in described],
+                spec,
+            )
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         if _is_real_device(meta_kwargs.get("device")):
             meta_kwargs["device"] = torch.device("meta")
@@ -227,6 +241,11 @@ class PlaceholderMode(TorchFunctionMode):
                     self.tag(leaf, sources)
             return None if func.__name__ == "__setitem__" else target
         device = kwargs.get("device") if _is_real_device(kwargs.get("device")) else real[0].device
+        leaves, spec = tree_flatten(result)
+        if key is not None and all(leaf.is_meta for leaf in leaves if isinstance(leaf, Tensor)):
+            if len(self.shapes) >= _MEMO_LIMIT:  # many lengths: start over rather than grow without end
+                self.shapes.clear()
+            self.shapes[key] = ([TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
         return tree_map(
             lambda leaf: self.placeholder(leaf, sources, device) if isinstance(leaf, Tensor) and leaf.is_meta else leaf,
             result,
@@ -266,6 +285,38 @@ def real_devices(func: Any, args: tuple, kwargs: dict, device: torch.device) -> 
             rest.append(arg)
         args = (args[0], *rest)
     return args, kwargs
+
+
+_MEMO_LIMIT = 4096
+_MEMO_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size, type(Ellipsis))
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _memo_key(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What a meta run of ``func`` depends on, hashable; None when an argument cannot be described
+    exactly (an object whose attributes could matter), which then always runs on meta."""
+    try:
+        return (func, _describe(args), _describe(kwargs))
+    except _Unkeyable:
+        return None
+
+
+def _describe(value: Any) -> Any:
+    kind = type(value)
+    if isinstance(value, Tensor):
+        return ("T", tuple(value.shape), tuple(value.stride()), value.dtype, value.is_meta)
+    if kind is tuple or kind is list:
+        return (kind.__name__, tuple(_describe(item) for item in value))
+    if kind is dict:
+        return ("dict", tuple((key, _describe(item)) for key, item in value.items()))
+    if kind is slice:
+        return ("slice", _describe(value.start), _describe(value.stop), _describe(value.step))
+    if kind in _MEMO_PLAIN:
+        return (kind, value)  # the type too: True and 1 are equal keys, but not equal arguments
+    raise _Unkeyable
 
 
 def _tensor_leaves(args: tuple, kwargs: dict) -> list[Tensor]:

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-from lightning_pipe.model.blocks import BlockStack
 from lightning_pipe.model._torch_compat import (
     PYTREE_NODES,
     function_modes_removed,
@@ -40,6 +40,7 @@ from lightning_pipe.model._torch_compat import (
     tree_map,
     tree_unflatten,
 )
+from lightning_pipe.model.blocks import BlockStack
 from lightning_pipe.model.loss_counting import LossCounter
 from lightning_pipe.model.placeholders import PlaceholderMode, describe_sources, find_tainted
 from lightning_pipe.model.shape_rules import ShapeRules, TensorSpec
@@ -199,15 +200,10 @@ class _ActiveRun:
         self.last_block: int | None = None
 
 
-@contextlib.contextmanager
-def _suspended(mode: PlaceholderMode):
-    """Plain torch inside (a real block, a meta twin, a transfer)."""
-    was = mode.active
-    mode.active = False
-    try:
-        yield
-    finally:
-        mode.active = was
+def _suspended():
+    """Plain torch inside (a meta twin, a transfer, building placeholders): the runner's own modes are
+    taken off the stack, so their Python dispatch is not paid on every tensor attribute read there."""
+    return function_modes_removed(_idle_in_blocks)
 
 
 def _idle_in_blocks(mode: Any) -> bool:
@@ -237,6 +233,7 @@ class StageRunner:
         self.device = device
         self._twins = [_meta_twin(block) for block in stack.blocks]
         self._shape_memo: dict[tuple[int, Any], tuple[list[Any], Any]] = {}  # (block, signature) -> output
+        self._placeholder_shapes: dict[Any, tuple[list[Any], Any]] = {}  # see PlaceholderMode's `shapes`
         self.shape_rules = ShapeRules()
         self.predict_shapes = False  # new sizes from shape rules instead of probes (the sender describes its tensors)
         self.probes = 0  # meta-device runs of blocks so far (the cost shape rules save)
@@ -271,7 +268,13 @@ class StageRunner:
             device = next((p.device for p in self.root.parameters() if not p.is_meta), torch.device("cpu"))
         if observe or self._parameter_names is None:  # an observation must see the parameters as they are now
             self._parameter_names = {id(p): name for name, p in self.root.named_parameters()}
-        return PlaceholderMode(device, self._parameter_names, observe=observe, describe_block=self.stack.block_path)
+        return PlaceholderMode(
+            device,
+            self._parameter_names,
+            observe=observe,
+            describe_block=self.stack.block_path,
+            shapes=None if observe else self._placeholder_shapes,
+        )
 
     def parameters_changed(self) -> None:
         """Call after parameter objects were replaced (sharding, migration): names in messages stay right."""
@@ -290,7 +293,7 @@ class StageRunner:
             )
         run.last_block = index
         if index < span.first_block:
-            with _suspended(run.mode):
+            with _suspended():
                 meta_output = self._meta_output(index, args, kwargs)
             if index == span.first_block - 1:
                 return self._inject(run, meta_output)
@@ -343,7 +346,7 @@ class StageRunner:
         return tree_unflatten(leaves, spec)
 
     def _placeholders(self, mode: PlaceholderMode, meta_output: Any, sources: frozenset) -> Any:
-        with _suspended(mode):
+        with _suspended():
             return tree_map(
                 lambda leaf: mode.placeholder(leaf, sources) if isinstance(leaf, Tensor) else leaf, meta_output
             )
@@ -353,7 +356,7 @@ class StageRunner:
             raise RuntimeError(f"Stage {run.span.stage} needs its inputs but no receive function was given.")
         leaves, spec = tree_flatten(meta_output)
         metas = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-        with _suspended(run.mode):
+        with _suspended():
             received = run.receive(metas)
         if len(received) != len(metas):
             raise RuntimeError(
@@ -370,7 +373,7 @@ class StageRunner:
         leaves = [mode.sources_of(t) for t in tree_leaves((args, kwargs))]
         observation.block_calls.append(index)
         observation.block_sources.append(frozenset().union(*[s for s in leaves if s is not None]))
-        with _suspended(mode):
+        with _suspended():
             meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         mode.inside = index  # what the twin leaves behind (hooks, lists) is marked as from inside the block
         try:
@@ -389,6 +392,7 @@ class StageRunner:
         span: StageSpan,
         receive: Callable[[list[Tensor]], list[Tensor]] | None = None,
         wrap_block: BlockWrapper | None = None,
+        inner_modes: tuple[TorchFunctionMode, ...] = (),
     ) -> StageResult:
         """Run ``root.<step_name>(*step_args)`` as stage ``span`` and return what it produced.
 
@@ -399,6 +403,9 @@ class StageRunner:
             receive: given the meta tensors of the previous stage's output (shapes, dtypes), returns
                 the real tensors; required unless ``span.is_first``.
             wrap_block: runs each of the stage's block calls (memory plans: recompute, offload).
+            inner_modes: torch-function modes that see the step's operations before the placeholder
+                mode does (a :class:`~lightning_pipe.model.loss_counting.LossCounter`), entered
+                above it so that they do not also see the placeholder mode's own operations.
 
         Raises:
             RuntimeError: a block this stage runs, the loss or a logged value would be computed
@@ -411,7 +418,9 @@ class StageRunner:
         self._active = run
         recorded: list[LogCall] = []
         try:
-            with self._capture_logs(recorded), run.mode:
+            with self._capture_logs(recorded), run.mode, contextlib.ExitStack() as inner:
+                for mode in inner_modes:
+                    inner.enter_context(mode)
                 try:
                     run.result.step_output = getattr(self.root, step_name)(*step_args)
                 except _StageBoundary as boundary:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -237,14 +236,14 @@ class PipelineExecutor:
         span = self._spans[stage]
         wrapper = self._work.block_wrapper(stage, mb) if self._work.block_wrapper is not None else None
         counter = LossCounter() if self._work.count_losses and span.is_last else None
-        with counter if counter is not None else nullcontext():
-            result = self.runner.run(
-                self._work.step_name,
-                self._work.microbatches[mb],
-                span,
-                receive=lambda metas: self._receive(stage, mb, metas),
-                wrap_block=wrapper,
-            )
+        result = self.runner.run(
+            self._work.step_name,
+            self._work.microbatches[mb],
+            span,
+            receive=lambda metas: self._receive(stage, mb, metas),
+            wrap_block=wrapper,
+            inner_modes=() if counter is None else (counter,),
+        )
         slot = _Slot(result)
         self._slots[(stage, mb)] = slot
         if span.is_last:

@@ -1,0 +1,59 @@
+"""Placeholders for values a stage cannot compute: the shape memo gives what a meta run gives (no processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pipe.model.placeholders import PlaceholderMode
+
+
+def _pre_block_code(weight: torch.Tensor, idx: torch.Tensor) -> list[torch.Tensor]:
+    """What a later stage runs before its blocks: an embedding it does not hold, then shape-only work."""
+    x = F.embedding(idx, weight)  # placeholder [B, T, C]
+    x = F.dropout(x + 1.0, p=0.1)
+    return [
+        x,
+        x[:, :-1],  # slices with different values must not share a memo entry
+        x[:, :-2],
+        x[1],  # True and 1 are equal keys in a dict, but not equal indices
+        x[True],
+        x.reshape(-1, x.size(-1)),
+        x.split(2, dim=-1)[0],
+    ]
+
+
+def _run(weight: torch.Tensor, idx: torch.Tensor, shapes: dict | None) -> tuple[PlaceholderMode, list[torch.Tensor]]:
+    mode = PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, shapes=shapes)
+    with mode:
+        return mode, _pre_block_code(weight, idx)
+
+
+def test_memoised_placeholders_match_meta_runs_and_skip_them():
+    weight = nn.Parameter(torch.empty(50, 8, device="meta"))  # held by another rank
+    idx = torch.randint(0, 50, (3, 7))
+    _, expected = _run(weight, idx, shapes=None)  # no memo: every operation runs on meta
+
+    shapes: dict = {}
+    first_mode, first = _run(weight, idx, shapes)
+    entries = len(shapes)
+    second_mode, second = _run(weight, idx, shapes)  # a later microbatch of the same shape
+    assert entries > 0 and len(shapes) == entries
+    for want, got_first, got_second in zip(expected, first, second, strict=True):
+        assert got_first.shape == got_second.shape == want.shape and got_second.dtype == want.dtype
+        assert not got_second.is_meta and torch.count_nonzero(got_second) == 0
+        assert second_mode.sources_of(got_second) == frozenset({("param", "wte.weight")})
+    assert first_mode.sources_of(first[0]) == second_mode.sources_of(second[0])
+
+    # The second run really took its shapes from the memo: a forged entry shows up in its result.
+    forged = {key: value for key, value in shapes.items() if key[0] is F.embedding}
+    assert len(forged) == 1
+    (key, (described, spec)), = forged.items()
+    shapes[key] = ([type(described[0])(torch.Size([1, 1, 1]), described[0].dtype)], spec)
+    with PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, shapes=shapes):
+        assert F.embedding(idx, weight).shape == (1, 1, 1)
+
+    longer = torch.randint(0, 50, (3, 9))  # another length: its own entries, its own shapes
+    _, other = _run(weight, longer, shapes)
+    assert other[0].shape == (3, 9, 8) and other[1].shape == (3, 8, 8)
