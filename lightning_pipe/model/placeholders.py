@@ -98,6 +98,33 @@ class PlaceholderReadError(RuntimeError):
         self.sources = sources
 
 
+class PlaceholderCache:
+    """What placeholders reuse across the runs of one stage runner, so that a later microbatch's
+    placeholders cost neither a meta run nor memory.
+
+    * ``shapes``: the placeholder shapes of an operation, keyed by its arguments' shapes, dtypes,
+      strides and plain values. A meta run takes a few hundred microseconds (the embeddings and the
+      code before the blocks, on every microbatch of a later stage); it depends on nothing else, and
+      one that needs values fails instead of being memoised, so the memo is exact.
+    * zero buffers, one per dtype and device: every placeholder is a view of one. A placeholder is
+      never computed from and never written (operations on it run on meta, in-place ones are not
+      performed), so placeholders may share their zeros; fresh ones cost an allocation and a fill per
+      placeholder, as large as an activation, on every microbatch of every later stage.
+    """
+
+    def __init__(self) -> None:
+        self.shapes: dict[Any, tuple[list[Any], Any]] = {}
+        self._zeros: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def zeros(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A tensor of zeros of ``shape``: a view of this cache's buffer for ``dtype`` and ``device``."""
+        numel = shape.numel()
+        buffer = self._zeros.get((dtype, device))
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._zeros[(dtype, device)] = torch.zeros(max(numel, 1), dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
+
+
 class PlaceholderMode(TorchFunctionMode):
     """Run the code between units for real; values needing missing parameters become placeholders.
 
@@ -108,12 +135,8 @@ class PlaceholderMode(TorchFunctionMode):
         observe: treat every parameter as missing and let value reads return the zeros' values
             (recorded in :attr:`reads`) instead of raising.
         describe_block: block index -> its dotted path, for messages.
-        shapes: a memo of the shapes placeholders get, kept across runs by the caller: an operation
-            seen before with the same argument shapes, dtypes, strides and plain values makes its
-            placeholders without running on the meta device again (a meta run takes a few hundred
-            microseconds: embeddings and the code before the blocks, on every microbatch of a later
-            stage). Exact: a meta run depends on nothing else, and one that needs values fails
-            instead of being memoised.
+        cache: what placeholders reuse across runs, kept by the caller (:class:`PlaceholderCache`);
+            None: every placeholder is allocated and every operation on one runs on meta.
     """
 
     def __init__(
@@ -122,14 +145,14 @@ class PlaceholderMode(TorchFunctionMode):
         parameter_names: dict[int, str],
         observe: bool = False,
         describe_block: Callable[[int], str] | None = None,
-        shapes: dict[Any, tuple[list[Any], Any]] | None = None,
+        cache: PlaceholderCache | None = None,
     ) -> None:
         super().__init__()
         self.device = device
         self.parameter_names = parameter_names
         self.observe = observe
         self.describe_block = describe_block
-        self.shapes = shapes
+        self.cache = cache
         self.inside: int | None = None  # observation: index of the block whose meta twin runs
         self.reads: list[frozenset] = []
         self._run = object()  # tags of earlier runs are ignored (a tensor may outlive a run)
@@ -165,7 +188,11 @@ class PlaceholderMode(TorchFunctionMode):
 
     def placeholder(self, meta: Tensor, sources: frozenset, device: torch.device | None = None) -> Tensor:
         """A real tensor of zeros shaped like ``meta``, tagged with ``sources``."""
-        out = torch.zeros(meta.shape, dtype=meta.dtype, device=device or self.device)
+        device = device or self.device
+        if self.cache is not None:
+            out = self.cache.zeros(meta.shape, meta.dtype, device)
+        else:
+            out = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
         out.__dict__[_TAG] = (self._run, sources)
         return out
 
@@ -204,9 +231,10 @@ class PlaceholderMode(TorchFunctionMode):
             )(*args[1:], **kwargs)
             meta = torch.empty(args[0].shape, dtype=moved.dtype, device="meta")
             return self.placeholder(meta, sources, moved.device)
-        key = _memo_key(func, args, kwargs) if real and self.shapes is not None and not _is_inplace(func, kwargs) else None
-        if key is not None and key in self.shapes:
-            described, spec = self.shapes[key]
+        memo = self.cache.shapes if self.cache is not None else None
+        key = _memo_key(func, args, kwargs) if real and memo is not None and not _is_inplace(func, kwargs) else None
+        if key is not None and key in memo:
+            described, spec = memo[key]
             device = kwargs.get("device") if _is_real_device(kwargs.get("device")) else real[0].device
             return tree_unflatten(
                 [self.placeholder(item, sources, device) if isinstance(item, TensorSpec) else item for item in described],
@@ -243,9 +271,9 @@ class PlaceholderMode(TorchFunctionMode):
         device = kwargs.get("device") if _is_real_device(kwargs.get("device")) else real[0].device
         leaves, spec = tree_flatten(result)
         if key is not None and all(leaf.is_meta for leaf in leaves if isinstance(leaf, Tensor)):
-            if len(self.shapes) >= _MEMO_LIMIT:  # many lengths: start over rather than grow without end
-                self.shapes.clear()
-            self.shapes[key] = ([TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
+            if len(memo) >= _MEMO_LIMIT:  # many lengths: start over rather than grow without end
+                memo.clear()
+            memo[key] = ([TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
         return tree_map(
             lambda leaf: self.placeholder(leaf, sources, device) if isinstance(leaf, Tensor) and leaf.is_meta else leaf,
             result,

@@ -42,7 +42,7 @@ from lightning_pipe.model._torch_compat import (
 )
 from lightning_pipe.model.blocks import BlockStack
 from lightning_pipe.model.loss_counting import LossCounter
-from lightning_pipe.model.placeholders import PlaceholderMode, describe_sources, find_tainted
+from lightning_pipe.model.placeholders import PlaceholderCache, PlaceholderMode, describe_sources, find_tainted
 from lightning_pipe.model.shape_rules import ShapeRules, TensorSpec
 
 
@@ -233,7 +233,7 @@ class StageRunner:
         self.device = device
         self._twins = [_meta_twin(block) for block in stack.blocks]
         self._shape_memo: dict[tuple[int, Any], tuple[list[Any], Any]] = {}  # (block, signature) -> output
-        self._placeholder_shapes: dict[Any, tuple[list[Any], Any]] = {}  # see PlaceholderMode's `shapes`
+        self._placeholders_cache = PlaceholderCache()
         self.shape_rules = ShapeRules()
         self.predict_shapes = False  # new sizes from shape rules instead of probes (the sender describes its tensors)
         self.probes = 0  # meta-device runs of blocks so far (the cost shape rules save)
@@ -273,7 +273,7 @@ class StageRunner:
             self._parameter_names,
             observe=observe,
             describe_block=self.stack.block_path,
-            shapes=None if observe else self._placeholder_shapes,
+            cache=None if observe else self._placeholders_cache,
         )
 
     def parameters_changed(self) -> None:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.model.placeholders import PlaceholderMode
+from lightning_pipe.model.placeholders import PlaceholderCache, PlaceholderMode
 
 
 def _pre_block_code(weight: torch.Tensor, idx: torch.Tensor) -> list[torch.Tensor]:
@@ -24,36 +24,40 @@ def _pre_block_code(weight: torch.Tensor, idx: torch.Tensor) -> list[torch.Tenso
     ]
 
 
-def _run(weight: torch.Tensor, idx: torch.Tensor, shapes: dict | None) -> tuple[PlaceholderMode, list[torch.Tensor]]:
-    mode = PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, shapes=shapes)
+def _run(weight: torch.Tensor, idx: torch.Tensor, cache: PlaceholderCache | None) -> tuple[PlaceholderMode, list[torch.Tensor]]:
+    mode = PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, cache=cache)
     with mode:
         return mode, _pre_block_code(weight, idx)
 
 
-def test_memoised_placeholders_match_meta_runs_and_skip_them():
+def test_cached_placeholders_match_meta_runs_skip_them_and_share_their_zeros():
     weight = nn.Parameter(torch.empty(50, 8, device="meta"))  # held by another rank
     idx = torch.randint(0, 50, (3, 7))
-    _, expected = _run(weight, idx, shapes=None)  # no memo: every operation runs on meta
+    _, expected = _run(weight, idx, cache=None)  # no memo: every operation runs on meta
 
-    shapes: dict = {}
-    first_mode, first = _run(weight, idx, shapes)
+    cache = PlaceholderCache()
+    shapes = cache.shapes
+    first_mode, first = _run(weight, idx, cache)
     entries = len(shapes)
-    second_mode, second = _run(weight, idx, shapes)  # a later microbatch of the same shape
+    second_mode, second = _run(weight, idx, cache)  # a later microbatch of the same shape
     assert entries > 0 and len(shapes) == entries
     for want, got_first, got_second in zip(expected, first, second, strict=True):
         assert got_first.shape == got_second.shape == want.shape and got_second.dtype == want.dtype
         assert not got_second.is_meta and torch.count_nonzero(got_second) == 0
         assert second_mode.sources_of(got_second) == frozenset({("param", "wte.weight")})
     assert first_mode.sources_of(first[0]) == second_mode.sources_of(second[0])
+    # ... and their zeros are one buffer's, not an allocation per placeholder
+    storages = {t.untyped_storage().data_ptr() for t in first + second}
+    assert len(storages) == 1
 
     # The second run really took its shapes from the memo: a forged entry shows up in its result.
     forged = {key: value for key, value in shapes.items() if key[0] is F.embedding}
     assert len(forged) == 1
     (key, (described, spec)), = forged.items()
     shapes[key] = ([type(described[0])(torch.Size([1, 1, 1]), described[0].dtype)], spec)
-    with PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, shapes=shapes):
+    with PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, cache=cache):
         assert F.embedding(idx, weight).shape == (1, 1, 1)
 
     longer = torch.randint(0, 50, (3, 9))  # another length: its own entries, its own shapes
-    _, other = _run(weight, longer, shapes)
+    _, other = _run(weight, longer, cache)
     assert other[0].shape == (3, 9, 8) and other[1].shape == (3, 8, 8)
