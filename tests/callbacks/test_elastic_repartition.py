@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import lightning as L
@@ -88,6 +89,22 @@ def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer
     waited, planned = logged(tmp_path, "elastic/planning_waited_s"), logged(tmp_path, "elastic/planning_s")
     assert len(waited) == len(planned) and min(waited) >= 0
     assert any(w < p for w, p in zip(waited, planned))  # planned behind the previous step: less was waited for
+
+
+def test_planner_metrics_are_logged_on_the_steps_lightning_writes(tmp_path):
+    """``log_dict`` costs on every call, Lightning writes on-step metrics every ``log_every_n_steps``:
+    the planner logs only then, on the same rows as the step's own loss."""
+    steps = 5
+    batches = _alternating_batches(steps, 1)
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2, start_method=START_METHOD)
+    make = lambda: TinyGPT(layers=4, vocab=VOCAB).double()
+    fit(make, batches, strategy, devices=2, steps=steps, callbacks=[ElasticRepartition(trigger="always")],
+        log_dir=tmp_path, log_every_n_steps=2)
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    loss_steps = [row["step"] for row in rows if row.get("train_loss")]
+    planner_steps = [row["step"] for row in rows if row.get("elastic/measured_step_s")]
+    assert planner_steps == loss_steps and 0 < len(planner_steps) < steps
 
 
 def test_partition_auto_plans_the_longest_batch_once(tmp_path):

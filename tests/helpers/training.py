@@ -99,8 +99,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        **trainer_kwargs,
+        **{"log_every_n_steps": 1, **trainer_kwargs},
     )
     val = None if val_batches is None else DataLoader(BatchDataset(val_batches), batch_size=None)
     trainer.fit(model, DataLoader(BatchDataset(batches), batch_size=None), val)
