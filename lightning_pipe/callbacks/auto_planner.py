@@ -254,7 +254,8 @@ class AutoPlanner(L.Callback):
         self._job = None
         waited = time.perf_counter() - waited  # planning on the step's critical path (rank 0's)
         if strategy.world_size > 1:
-            result, waited, looked_ahead = strategy.broadcast((result, waited, looked_ahead), src=0)
+            with strategy.step_clock.measure("plan_sync"):  # waiting for the other ranks, not planning
+                result, waited, looked_ahead = strategy.broadcast((result, waited, looked_ahead), src=0)
         if looked_ahead:
             strategy.step_clock.add_background("plan", result.planning_seconds)
         plan = result.plan

@@ -109,14 +109,18 @@ class MemoryPlanner(L.Callback):
             request = memory.memory_request(batch, (batch_idx,), self.budget, self.lengths, draft, **options)
             job, self._job = self._job, None
             solved = job.join() if job is not None and job.key == request else None
-            if solved is not None:
+            looked_ahead = solved is not None
+            if looked_ahead:
                 strategy.step_clock.add_background("plan", job.seconds)
-            result = memory.share_plan(request, solved)
+            elif memory.plans_here:
+                solved = request.solve()
+            with strategy.step_clock.measure("plan_sync"):  # waiting for the other ranks, not planning
+                result = memory.share_plan(request, solved)
             self.results.append(result)
-            self.looked_ahead.append(solved is not None)
+            self.looked_ahead.append(looked_ahead)
             log.debug(
                 "batch %d: memory plan by %s%s, predicted peak %s bytes, step %.3g s", batch_idx, result.method,
-                " (solved ahead)" if solved else "", [round(p) for p in result.prediction.peak_bytes],
+                " (solved ahead)" if looked_ahead else "", [round(p) for p in result.prediction.peak_bytes],
                 result.step_seconds,
             )
             if self.lookahead and memory.plans_here and draft.chunks is None:  # chunks describe this batch only

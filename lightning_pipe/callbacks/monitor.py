@@ -15,7 +15,9 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
 * ``pipeline/time/{part}_s``: where the first rank's step went (they sum to ``step_s``): its
   ``compute`` actions, blocked in receives (``wait``), posting sends (``send``),
   ``between_actions`` (the executor's own work), and outside the program the strategy's measured
-  parts (``runtime.StepClock``): ``plan`` (planner callbacks' work on the critical path), ``apply``
+  parts (``runtime.StepClock``): ``plan`` (planner callbacks' work on the critical path),
+  ``plan_sync`` (waiting at the collective that hands one rank's plan to the others: mostly the
+  ranks arriving at different times, which the step's first transfer would otherwise absorb), ``apply``
   (merging their proposals and installing the plan, migrations included), ``data`` (the next batch
   fetched early for a planner's lookahead), ``prepare``
   (splitting the batch, the step's checks), ``share_outcome`` (the loss and log broadcast, their

@@ -190,6 +190,8 @@ def test_memory_planner_fits_a_budget_below_the_no_recompute_peak(tmp_path):
     assert background[0] == 0.0 and all(b > 0 for b in background[1:])
     fractions, plan_s = logged(tmp_path, "pipeline/plan_fraction"), logged(tmp_path, "pipeline/time/plan_s")
     assert all(0 < f < 1 for f in fractions) and len(plan_s) == 3
+    sync_s = logged(tmp_path, "pipeline/time/plan_sync_s")  # the plan's broadcast, apart from planning
+    assert len(sync_s) == 3 and all(s > 0 for s in sync_s)
     records = _records(tmp_path)
     for rank in (0, 1):
         for row in records[rank]:
