@@ -327,9 +327,11 @@ def _memo_key(func: Any, args: tuple, kwargs: dict) -> Any:
     """What a meta run of ``func`` depends on, hashable; None when an argument cannot be described
     exactly (an object whose attributes could matter), which then always runs on meta."""
     try:
-        return (func, _describe(args), _describe(kwargs))
-    except _Unkeyable:
+        key = (func, _describe(args), _describe(kwargs))
+        hash(key)  # a function object without a hash
+    except (_Unkeyable, TypeError):
         return None
+    return key
 
 
 def _describe(value: Any) -> Any:
