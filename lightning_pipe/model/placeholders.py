@@ -235,7 +235,7 @@ class PlaceholderMode(TorchFunctionMode):
         key = _memo_key(func, args, kwargs) if real and memo is not None and not _is_inplace(func, kwargs) else None
         if key is not None and key in memo:
             described, spec = memo[key]
-            device = kwargs.get("device") if _is_real_device(kwargs.get("device")) else real[0].device
+            device = _result_device(kwargs, real)
             return tree_unflatten(
                 [self.placeholder(item, sources, device) if isinstance(item, TensorSpec) else item for item in described],
                 spec,
@@ -268,12 +268,9 @@ class PlaceholderMode(TorchFunctionMode):
                 if isinstance(leaf, Tensor):
                     self.tag(leaf, sources)
             return None if func.__name__ == "__setitem__" else target
-        device = kwargs.get("device") if _is_real_device(kwargs.get("device")) else real[0].device
-        leaves, spec = tree_flatten(result)
-        if key is not None and all(leaf.is_meta for leaf in leaves if isinstance(leaf, Tensor)):
-            if len(memo) >= _MEMO_LIMIT:  # many lengths: start over rather than grow without end
-                memo.clear()
-            memo[key] = ([TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
+        if key is not None:
+            _remember(memo, key, result)
+        device = _result_device(kwargs, real)
         return tree_map(
             lambda leaf: self.placeholder(leaf, sources, device) if isinstance(leaf, Tensor) and leaf.is_meta else leaf,
             result,
@@ -320,7 +317,7 @@ _MEMO_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, tor
 
 
 class _Unkeyable(Exception):
-    pass
+    """An argument the memo key cannot describe exactly; its operation always runs on meta."""
 
 
 def _memo_key(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -347,6 +344,23 @@ def _describe(value: Any) -> Any:
     if kind in _MEMO_PLAIN:
         return (kind, value)  # the type too: True and 1 are equal keys, but not equal arguments
     raise _Unkeyable
+
+
+def _remember(memo: dict, key: Any, result: Any) -> None:
+    """Keep a meta run's result shapes under ``key`` (only when every tensor in it is meta: those
+    are what become placeholders)."""
+    results, spec = tree_flatten(result)
+    if not all(leaf.is_meta for leaf in results if isinstance(leaf, Tensor)):
+        return
+    if len(memo) >= _MEMO_LIMIT:  # many lengths: start over rather than grow without end
+        memo.clear()
+    memo[key] = ([TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in results], spec)
+
+
+def _result_device(kwargs: dict, real: list[Tensor]) -> torch.device:
+    """Where a placeholder result lives: the call's real ``device=``, else its first real input's."""
+    device = kwargs.get("device")
+    return device if _is_real_device(device) else real[0].device
 
 
 def _tensor_leaves(args: tuple, kwargs: dict) -> list[Tensor]:
