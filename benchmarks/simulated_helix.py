@@ -26,6 +26,12 @@ faster than they could run, so the comparison is conservative for HelixPipe). Th
 +26% over the best baseline at 128k on 8 stages (64 H20).
 
 Run: ``python benchmarks/simulated_helix.py`` (a few seconds on 2 CPU cores).
+
+``--joint`` adds what the joint planner (``planning.plan_joint``) chooses among ``1f1b``, ``zb_h1``,
+``helix`` and ``spipe`` for the same model and sizes, priced from a per-unit cost model
+(``planning.gpt_cost_model`` at the same device speed and link; its split of a block into pre-attention,
+attention and post-attention is ``planning/split_costs.py``'s), over the exact partition search for the
+whole-stage families, without a memory budget, down to short sequences where HelixPipe should lose.
 """
 
 from __future__ import annotations
@@ -100,6 +106,47 @@ def helix_makespan(p: int, m: int, seq: int, causal: bool, bandwidth: float) -> 
     return simulate(program, costs, record_events=False).makespan
 
 
+def joint_choices(p: int, seq: int, causal: bool, bandwidth: float) -> tuple[str, float, float, float]:
+    """The joint planner's family for ``m = 2p`` sequences of ``seq`` tokens, its simulated step, the best
+    whole-stage family's step and helix's step."""
+    from lightning_pipe.planning import gpt_cost_model
+    from lightning_pipe.planning.joint import JointConfig, plan_joint
+
+    model = gpt_cost_model(
+        LAYERS, HIDDEN, 32, 32000, device_flops=SPEED, efficiency=1.0, bandwidth=bandwidth * 1e9 if bandwidth else float("inf"),
+        latency=0.0,
+    )
+    if causal:  # halve the quadratic (attention) term of every block
+        from dataclasses import replace
+
+        from lightning_pipe.planning.cost_model import LinearCost
+
+        def halved(cost: LinearCost) -> LinearCost:
+            return LinearCost(cost.constant, cost.per_token, cost.per_squared_length / 2)
+
+        units = [model.units[0], *(replace(u, forward=halved(u.forward), backward=halved(u.backward)) for u in model.units[1:-1]),
+                 model.units[-1]]
+        model = replace(model, units=tuple(units))
+    # zero-bubble's W computes the linear parts' weight gradients only (Table 1): at long sequences far
+    # less than half a backward, which the cost model's default split (half each) would assume
+    from dataclasses import replace as replaced
+
+    from lightning_pipe.schedules.costs import SplitBackward
+
+    attention = 0.5 if causal else 1.0
+    weight = 24.0 * HIDDEN / (48.0 * HIDDEN + 8.0 * attention * seq)
+    model = replaced(model, split_backward=SplitBackward(1.0 - weight, weight, 1.0 - weight, weight))
+
+    def best(*families: str) -> tuple[str, float]:
+        config = JointConfig(families=families, microbatch_counts=(2 * p,), microbatching=("even",))
+        joint = plan_joint(model, [seq] * (2 * p), p, None, config=config)
+        return joint.plan.schedule.name, joint.step_seconds
+
+    # separate searches for the columns: in the joint one, families beaten by a bound are pruned, not priced
+    chosen, step = best("1f1b", "zb_h1", "helix", "spipe")
+    return chosen, step, best("1f1b", "zb_h1")[1], best("helix")[1]
+
+
 def main() -> None:
     """Print one row per (stages, sequence length): makespans and HelixPipe's speedup over the best."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -107,6 +154,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536, 98304, 131072])
     parser.add_argument("--causal", action="store_true", help="halve the attention FLOPs (causal mask)")
     parser.add_argument("--bandwidth", type=float, default=100.0, help="GB/s between stages (0: free)")
+    parser.add_argument("--joint", action="store_true", help="also print the joint planner's choice per size")
     args = parser.parse_args()
     print(f"7B GPT (L={LAYERS}, h={HIDDEN}), m = 2p, {'causal' if args.causal else 'full'} attention, "
           f"{args.bandwidth or 'free'} GB/s")
@@ -118,6 +166,14 @@ def main() -> None:
             zb = baseline("zb_h1", p, m, seq, args.causal, args.bandwidth)
             hx = helix_makespan(p, m, seq, args.causal, args.bandwidth)
             print(f"{p:>2} {seq // 1024:>6}k {one:>8.2f} {zb:>8.2f} {hx:>8.2f} {min(one, zb) / hx - 1:>+12.0%}")
+    if not args.joint:
+        return
+    print("\nThe joint planner's choice (plan_joint over 1f1b, zb_h1, helix, spipe; per-unit GPT cost model, m = 2p):")
+    print(f"{'p':>2} {'seq':>7} {'chosen':>7} {'step s':>8} {'best whole-stage s':>18} {'helix s':>8} {'helix vs whole':>14}")
+    for p in args.stages:
+        for seq in sorted({4096, 16384, *args.seq}):
+            chosen, step, whole, hx = joint_choices(p, seq, args.causal, args.bandwidth)
+            print(f"{p:>2} {seq // 1024:>6}k {chosen:>7} {step:>8.2f} {whole:>18.2f} {hx:>8.2f} {whole / hx - 1:>+13.0%}")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ from lightning_pipe.planning.memory_model import FULL, OFFLOAD, MemoryPlan, pars
 from lightning_pipe.planning.memory_planner import MemoryBudgetError
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.proposals import PlanProposal
-from lightning_pipe.schedules import resolve_schedule
+from lightning_pipe.schedules import is_split_placement, resolve_schedule
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,15 @@ class AutoPlanner(L.Callback):
     ) -> None:
         if not families:
             raise ValueError("`AutoPlanner(families=())` has nothing to choose from.")
+        split = [resolve_schedule(f).name for f in families if is_split_placement(resolve_schedule(f))]
+        if split:
+            raise ValueError(
+                f"`AutoPlanner(families=...)` lists {split}: the strategy cannot switch a run into or out of split "
+                "placement between batches (it holds the parameters differently), and a split-placement run takes no "
+                "planning callbacks. Leave them out here; to compare them with the other families for your model and "
+                "data, run the joint planner before training (`plan_joint` with `JointConfig(families=(..., 'helix'))`, "
+                "or `lightning-pipe-profile --config ... --plan-ranks P`) and start the run with the schedule it picks."
+            )
         if set(microbatching) - {"even", "balanced"} or not microbatching:
             raise ValueError(f"`AutoPlanner(microbatching={microbatching!r})`: use 'even' and/or 'balanced'.")
         if memory_method not in ("greedy", "milp"):

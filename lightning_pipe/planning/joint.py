@@ -16,6 +16,13 @@ priced by their pieces and run as sliced 1F1B when sliced), it prices partitions
 * ``current``: the partition in use, with the fastest memory plan for it (and any ``partitions``
   given, such as each family's static partition);
 
+and the split-placement families (``helix``, ``spipe``) where ``families`` lists them: their placement
+follows the model and they take no memory plan, so each (family, count) is one simulation of its
+program with costs cut from the same per-unit model (``planning/split_costs.py``), exact for that
+model, in equal microbatches (what a split-placement run does). The strategy cannot switch a run into
+or out of split placement, so ``plan_migration_seconds`` prices such a move as infinite: they win
+offline (which schedule to start a run with) or within a run of their own family;
+
 and returns the plan with the smallest simulated step time that fits, plus the seconds of moving to
 it when a ``migration`` price is given (the migration-cost trigger: a plan that moves units must
 gain more than the move costs). Memory plans only add time
@@ -52,7 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_pipe.planning.boundaries import unit_ranges
+from lightning_pipe.planning.boundaries import uniform_partition, unit_ranges
 from lightning_pipe.planning.chunking import PlannedChunks, chunk_batch, chunk_program, chunk_time_model
 from lightning_pipe.planning.cost_model import CostModel, LinearCost, MicrobatchShape
 from lightning_pipe.planning.memory_model import (
@@ -74,7 +81,8 @@ from lightning_pipe.planning.microbatching import (
 )
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
-from lightning_pipe.schedules import Schedule, is_split_placement, resolve_schedule
+from lightning_pipe.planning.split_costs import split_placement_costs
+from lightning_pipe.schedules import Schedule, is_split_placement, resolve_schedule, simulate, split_program
 from lightning_pipe.schedules.ir import Program
 
 __all__ = [
@@ -92,6 +100,7 @@ EVEN, BALANCED = "even", "balanced"
 CHUNKS = "chunks"  # microbatching label prefix of a chunking: "chunks(N=4)"
 PRUNED = "pruned"  # a group not priced: its bound was above the best plan found
 BOUNDED = "bounded"  # a partition not priced: its step without a memory plan was above the best plan found
+PLACED = "placed"  # a split-placement family (helix, spipe): its placement follows the model, nothing searched
 
 
 @dataclass(frozen=True)
@@ -170,10 +179,11 @@ class JointCandidate:
     Attributes:
         plan: the plan (memory None: nothing recomputed or offloaded).
         microbatching: ``"even"`` or ``"balanced"``.
-        origin: how its partition was found (``free``, ``fit``, ``recompute``, ``current``, ``given``),
-            or ``pruned``: its (family, microbatching) was not priced because its bound was above the
-            best plan found (the plan is the unconstrained partition, not priced), or ``bounded``: this
-            partition was not given a memory plan because its step without one was above the best found.
+        origin: how its partition was found (``free``, ``fit``, ``recompute``, ``current``, ``given``;
+            ``placed`` for a split-placement family, whose placement follows the model), or ``pruned``:
+            its (family, microbatching) was not priced because its bound was above the best plan found
+            (the plan is the unconstrained partition, not priced), or ``bounded``: this partition was not
+            given a memory plan because its step without one was above the best found.
         step_seconds: simulated step time with the memory plan (inf if nothing fits, pruned or bounded).
         lower_bound_seconds: the bound for its (family, microbatching); for ``bounded``, its own step
             without a memory plan.
@@ -250,9 +260,16 @@ def plan_migration_seconds(
 ) -> float:
     """Seconds to move from ``old`` to ``new``: static bytes (parameters, gradients, optimizer state)
     of the units whose rank changes, on the busiest rank (sent plus received), over ``bandwidth``
-    (default the cost model's link). Works across families with other stage counts or placements."""
+    (default the cost model's link). Works across families with other stage counts or placements.
+
+    Infinite between a split-placement family (helix, spipe) and any other schedule: the strategy cannot
+    switch a run into or out of split placement (docs/joint-planning.md), so such a plan is never
+    chosen over one it can run. Zero between plans of the same split-placement family (its placement is
+    fixed by the model)."""
     if old is None:
         return 0.0
+    if is_split_placement(old.schedule) or is_split_placement(new.schedule):
+        return 0.0 if old.schedule == new.schedule else math.inf
     link = cost_model.bandwidth if bandwidth is None else bandwidth
 
     def unit_ranks(plan: PipelinePlan) -> list[int]:
@@ -300,6 +317,12 @@ def evaluate_plan(
     (inf and the plan unchanged if none fits). With ``plan_memory_too=False`` the plan's own memory
     plan is priced as it is."""
     profile = profile or memory_profile_from_cost_model(cost_model)
+    if is_split_placement(plan.schedule):  # no memory plan: the program as it runs
+        config = dataclasses.replace(config, families=(plan.schedule,), microbatch_counts=(plan.num_microbatches,))
+        found = _split_placement_candidates(cost_model, lengths, num_ranks, budget, config)
+        if not found:
+            raise ValueError(f"{plan.schedule.name!r} does not build for {plan.num_microbatches} microbatches of this batch.")
+        return found[0].step_seconds, plan
     if plan.chunks is not None:  # packed and sliced chunks: priced by their pieces, run as sliced 1F1B if sliced
         shapes, program = plan.chunks.shapes, chunk_program(plan, num_ranks)
     else:
@@ -453,6 +476,12 @@ def plan_joint(
     best_total = math.inf
     bounds = []
     scale_of = lambda group: config.scale(group.schedule.name)  # noqa: E731
+    for candidate in _split_placement_candidates(cost_model, lengths, num_ranks, search.limit, config):
+        candidates.append(candidate)  # priced first: one simulation each, and a best to prune the groups with
+        bounds.append(candidate.lower_bound_seconds)
+        if math.isfinite(candidate.step_seconds):
+            moves[id(candidate)] = price(candidate.plan)
+            best_total = min(best_total, candidate.step_seconds + moves[id(candidate)])
     for group in sorted(groups, key=lambda g: (g.quick.step_seconds * scale_of(g), g.bound * scale_of(g))):
         scale = scale_of(group)
         if group.bound * scale > best_total or (search.out_of_time() and math.isfinite(best_total)):
@@ -474,6 +503,12 @@ def plan_joint(
                 best_total = min(best_total, candidate.step_seconds + moves[id(candidate)])
     lower = min(bounds, default=math.inf)
     fitting = [c for c in candidates if math.isfinite(c.step_seconds)]
+    if not candidates:
+        raise ValueError(
+            f"None of the families {list(config.families)} builds a program for {cost_model.num_blocks} blocks on "
+            f"{num_ranks} pipeline ranks with microbatch counts {list(config.counts(num_ranks))} (at most "
+            f"{len(lengths)} samples): allow other families or counts."
+        )
     if not fitting:
         raise MemoryBudgetError(
             f"No plan fits the budget of {budget} bytes per device with families {list(config.families)} and "
@@ -498,12 +533,8 @@ def _candidate_groups(
     chunkings = _chunkings(cost_model, lengths, config)
     for spec in config.families:
         schedule = resolve_schedule(spec)
-        if is_split_placement(schedule):  # docs/joint-planning.md: why split placement is not a candidate
-            raise ValueError(
-                f"`JointConfig.families` lists {schedule.name!r}: the joint planner's bounds and batch simulation price "
-                "stages placed whole on one rank, and the strategy cannot switch into or out of split placement "
-                f"between batches. Train with `schedule={schedule.name!r}` directly, or leave it out of the families."
-            )
+        if is_split_placement(schedule):  # a fixed placement: priced by _split_placement_candidates
+            continue
         if num_ranks * schedule.stages_per_rank > cost_model.num_blocks:
             continue
         for count in config.counts(num_ranks):
@@ -532,6 +563,40 @@ def _candidate_groups(
             label = f"{CHUNKS}(N={_slice_number(chunks)})"
             groups.append(search.group(schedule, (), label, tuple(chunks.shapes), chunks, program))
     return groups
+
+
+def _split_placement_candidates(
+    cost_model: CostModel, lengths: Sequence[int], num_ranks: int, limit: float | None, config: JointConfig
+) -> list[JointCandidate]:
+    """One candidate per split-placement family of ``config.families`` (HelixPipe, SPipe) and microbatch
+    count their programs build for. Their placement follows the model (nothing to search) and they take no
+    memory plan, so each is priced by one simulation of its program (``planning/split_costs.py``) and is
+    its own lower bound; one that does not fit ``limit`` is left with infinite seconds (and bound: nothing
+    of it fits). They run the batch's samples in equal microbatches in batch order, uncut (a split-placement
+    run does not trim padding): with ``padded`` or ``grouped``, every sample at the batch's longest length."""
+    found = []
+    for spec in config.families:
+        schedule = resolve_schedule(spec)
+        if not is_split_placement(schedule):
+            continue
+        priced = [max(int(n) for n in lengths)] * len(lengths) if config.padded or config.grouped else lengths
+        for count in config.counts(num_ranks):
+            if count > len(lengths):
+                continue
+            try:
+                program = split_program(schedule, num_ranks, count, cost_model.num_blocks)
+                costs = split_placement_costs(
+                    cost_model, schedule, program, _priced_shapes(priced, even_microbatch_sizes(len(lengths), count), False)
+                )
+            except ValueError:  # sizes this family does not run (block or microbatch counts)
+                continue
+            result = simulate(program, costs, record_events=False)
+            seconds = result.makespan * config.scale(schedule.name)
+            if limit is not None and max(result.peak_memory) > limit:
+                seconds = math.inf
+            plan = PipelinePlan(uniform_partition(cost_model.num_blocks, num_ranks), schedule, count)
+            found.append(JointCandidate(plan, EVEN, PLACED, seconds, seconds))
+    return found
 
 
 @functools.lru_cache(maxsize=256)

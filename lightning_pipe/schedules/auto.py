@@ -25,7 +25,7 @@ from .ir import Program
 from .registry import Schedule
 from .resolve import resolve_schedule
 from .simulate import simulate
-from .split_schedules import is_split_placement, split_program
+from .split_schedules import HELIX_PRE_SHARE, is_split_placement, split_program
 from .validate import ScheduleError
 
 __all__ = [
@@ -194,8 +194,8 @@ def auto_schedule(
             construction (``schedule="helix"``), so a per-batch switch (``ScheduleSwitch``) must not
             pick them.
         attention_share: the fraction of a block's forward (and backward) spent in the attention
-            core, which HelixPipe runs on other ranks (the rest: a third pre-attention, two thirds
-            post-attention); per-stage costs do not tell it, so helix is priced only with it.
+            core, which HelixPipe runs on other ranks (the rest: ``HELIX_PRE_SHARE`` pre-attention, the
+            remainder post-attention); per-stage costs do not tell it, so helix is priced only with it.
 
     Returns:
         One row per distinct candidate that builds; candidates that deadlock or do not apply to
@@ -279,7 +279,8 @@ def _split_costs(schedule: Schedule, program: Program, base: ActionCosts, attent
     assert attention_share is not None
     layers = (program.num_stages - 1) // 2
     per_rank = layers // num_ranks
-    parts = ((1 - attention_share) / 3, attention_share, 2 * (1 - attention_share) / 3)  # pre, attention, post
+    rest = 1.0 - attention_share
+    parts = (HELIX_PRE_SHARE * rest, attention_share, (1.0 - HELIX_PRE_SHARE) * rest)  # pre, attention, post
 
     def table(source: Any) -> Any:
         rows = []

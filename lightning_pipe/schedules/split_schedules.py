@@ -23,9 +23,14 @@ from .registry import Schedule
 from .validate import validate
 
 __all__ = [
-    "SPLIT_PLACEMENT_FAMILIES", "check_split_options", "is_split_placement", "refuse_split_placement", "split_program",
-    "split_share_costs",
+    "HELIX_PRE_SHARE", "SPLIT_PLACEMENT_FAMILIES", "check_split_options", "is_split_placement", "refuse_split_placement",
+    "split_program", "split_share_costs",
 ]
+
+#: HelixPipe's pre-attention share of a block's time outside the attention core (post-attention: the
+#: rest): the paper's Table 1 counts 6bsh^2 FLOPs for the QKV projection against 2bsh^2 + 16bsh^2 for the
+#: output projection and the MLP (and 3h^2 parameters against 9h^2), so a quarter.
+HELIX_PRE_SHARE = 0.25
 
 #: Family names whose programs place one stage on several ranks, with the options each accepts.
 SPLIT_PLACEMENT_FAMILIES: Mapping[str, tuple[str, ...]] = {
@@ -120,7 +125,7 @@ def split_share_costs(program: Program, num_ranks: int, attention_share: float =
     2 (backward), as ``gallery.uniform_share_costs`` charges the other families.
 
     HelixPipe: a block's forward is split ``attention_share`` (attention core), the rest between
-    pre-attention (a third) and post-attention (two thirds); every backward is twice its forward.
+    pre-attention and post-attention as :data:`HELIX_PRE_SHARE` says; every backward is twice its forward.
     SPipe: every finer stage's forward is its share, its backward (with its recomputation) twice that.
     A ``RECOMPUTE`` costs its stage's forward (``ActionCosts`` default).
     """
@@ -129,7 +134,8 @@ def split_share_costs(program: Program, num_ranks: int, attention_share: float =
         layers = (num_stages - 1) // 2
         share = num_ranks / layers  # one block's part of a rank's share
         rest = 1.0 - attention_share
-        forward = [share * t for t in helix_stage_costs(num_ranks, layers // num_ranks, rest / 3, attention_share, 2 * rest / 3)]
+        pre, post = HELIX_PRE_SHARE * rest, (1.0 - HELIX_PRE_SHARE) * rest
+        forward = [share * t for t in helix_stage_costs(num_ranks, layers // num_ranks, pre, attention_share, post)]
     else:
         forward = [num_ranks / num_stages] * num_stages
     return ActionCosts(

@@ -1,7 +1,10 @@
 """HelixPipe and SPipe beside the other families: the gallery, the DSL (what it cannot express), the
-auto-scheduler (opt-in, priced from per-rank costs) and the joint planner (refused, with why)."""
+auto-scheduler (opt-in, priced from per-rank costs) and the joint planner (priced as fixed placements a
+run starts with, never moved into)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -48,13 +51,99 @@ def test_auto_scheduler_prices_split_placement_only_when_told_the_blocks():
     assert [label for label, _ in split_candidates(False)] == ["spipe:v=1", "spipe:v=2"]
 
 
-def test_joint_planner_refuses_split_placement_families():
+def test_joint_planner_prices_split_placement_and_picks_helix_only_at_long_sequences():
+    """HelixPipe's claim (its §5): attention, quadratic in the length, leaves the bubble, so it wins at long
+    sequences and not at short ones. The joint planner must reproduce the ordering from the cost model."""
+    from lightning_pipe.planning import gpt_7b
+    from lightning_pipe.planning.cost_model import MicrobatchShape
+    from lightning_pipe.planning.joint import PLACED, JointConfig, plan_joint
+    from lightning_pipe.planning.split_costs import split_placement_costs
+
+    model = gpt_7b()
+    config = JointConfig(families=("1f1b", "zb_h1", "helix", "spipe"), microbatch_counts=(16,), microbatching=("even",))
+    chosen = {}
+    for length in (4096, 131072):
+        joint = plan_joint(model, [length] * 16, 8, None, config=config)
+        chosen[length] = joint.plan.schedule.name
+        placed = {c.plan.schedule.name: c for c in joint.candidates if c.origin == PLACED}
+        assert set(placed) == {"helix", "spipe"}
+        for name, candidate in placed.items():  # each is one simulation of the program that runs
+            program = split_program(candidate.plan.schedule, 8, 16, model.num_blocks)
+            costs = split_placement_costs(model, candidate.plan.schedule, program, [MicrobatchShape.from_lengths([length])] * 16)
+            assert candidate.step_seconds == pytest.approx(simulate(program, costs).makespan, rel=1e-12)
+            assert candidate.lower_bound_seconds == candidate.step_seconds  # nothing to search: its own bound
+        assert joint.lower_bound_seconds <= joint.step_seconds
+    assert chosen == {4096: "zb_h1", 131072: "helix"}
+
+
+def test_split_placement_costs_cut_the_model_without_changing_its_work():
     from lightning_pipe.planning import gpt_cost_model
+    from lightning_pipe.planning.cost_model import MicrobatchShape
+    from lightning_pipe.planning.split_costs import split_placement_costs
+
+    model = gpt_cost_model(num_layers=8, hidden=256, heads=4, vocab=1000, flash_attention=False)
+    shapes = [MicrobatchShape.from_lengths([64, 200]), MicrobatchShape.from_lengths([512])]
+    whole = model.tables(shapes)
+    for name in ("helix", "spipe"):
+        schedule = resolve_schedule(name)
+        program = split_program(schedule, 2, 2 * 2, 8) if name == "helix" else split_program(schedule, 2, 4, 8)
+        costs = split_placement_costs(model, schedule, program, shapes * (program.num_microbatches // 2))
+        for mb in range(2):
+            for table, reference in ((costs.forward, whole.forward), (costs.backward, whole.backward),
+                                     (costs.saved_bytes, whole.saved_bytes)):
+                assert sum(row[mb] for row in table) == pytest.approx(reference[:, mb].sum(), rel=1e-12), name
+        assert sum(costs.static_bytes) == pytest.approx(whole.static_bytes.sum(), rel=1e-12)
+    helix = split_placement_costs(model, resolve_schedule("helix"), split_program(resolve_schedule("helix"), 2, 4, 8), shapes * 2)
+    block = model.units[1]
+    for mb, shape in enumerate(shapes):  # attention stages get exactly the quadratic terms
+        assert helix.forward[1][mb] == pytest.approx(block.forward.per_squared_length * shape.sum_squared_lengths)
+        assert helix.saved_bytes[1][mb] > block.saved_bytes.per_squared_length * shape.sum_squared_lengths > 0
+
+
+def test_joint_planner_never_moves_a_run_into_or_out_of_split_placement():
+    from lightning_pipe.planning import gpt_7b
+    from lightning_pipe.planning.joint import JointConfig, plan_joint, plan_migration_seconds
+    from lightning_pipe.planning.plan import PipelinePlan
+
+    model = gpt_7b()
+    running = PipelinePlan((0, 8, 16, 24, 32), "zb_h1", 8)
+    config = JointConfig(families=("zb_h1", "helix"), microbatch_counts=(8,), microbatching=("even",))
+    free = plan_joint(model, [131072] * 8, 4, None, config=config)
+    assert free.plan.schedule.name == "helix"  # faster when the run could start with it ...
+    held = plan_joint(model, [131072] * 8, 4, None, config=config, current=running,
+                      migration=lambda plan: plan_migration_seconds(model, running, plan, 4))
+    assert held.plan.schedule.name == "zb_h1"  # ... but a running zb_h1 is never moved into it
+    assert plan_migration_seconds(model, free.plan, free.plan, 4) == 0.0
+
+
+def test_a_split_placement_that_does_not_fit_is_not_chosen():
+    from lightning_pipe.planning import gpt_7b
     from lightning_pipe.planning.joint import JointConfig, plan_joint
 
-    model = gpt_cost_model(num_layers=4, hidden=256, heads=4, vocab=1000)
-    with pytest.raises(ValueError, match="cannot switch into or out of split placement"):
-        plan_joint(model, [64, 32, 16, 8], 2, None, config=JointConfig(families=("1f1b", "helix")))
+    model = gpt_7b()
+    config = JointConfig(families=("1f1b", "helix"), microbatch_counts=(8,), microbatching=("even",))
+    unlimited = plan_joint(model, [131072] * 8, 4, None, config=config)
+    helix = next(c for c in unlimited.candidates if c.plan.schedule.name == "helix")
+    assert unlimited.plan.schedule.name == "helix"
+    budget = 0.5 * max(simulate(split_program(helix.plan.schedule, 4, 8, 32), _helix_costs(model, 131072)).peak_memory)
+    limited = plan_joint(model, [131072] * 8, 4, budget, config=dataclasses.replace(config, memory_options=("full", "offload")))
+    assert limited.plan.schedule.name == "1f1b" and limited.plan.memory is not None  # recomputes to fit instead
+    assert all(c.step_seconds == float("inf") for c in limited.candidates if c.plan.schedule.name == "helix")
+
+
+def test_auto_planner_refuses_split_placement_families_before_training():
+    from lightning_pipe.callbacks import AutoPlanner
+
+    with pytest.raises(ValueError, match="cannot switch a run into or out of split placement"):
+        AutoPlanner(families=("1f1b", "helix"))
+
+
+def _helix_costs(model, length):
+    from lightning_pipe.planning.cost_model import MicrobatchShape
+    from lightning_pipe.planning.split_costs import split_placement_costs
+
+    schedule = resolve_schedule("helix")
+    return split_placement_costs(model, schedule, split_program(schedule, 4, 8, 32), [MicrobatchShape.from_lengths([length])] * 8)
 
 
 def test_planners_that_price_whole_stages_refuse_split_programs():
