@@ -61,13 +61,16 @@ class ProcessGroups:
     """This rank's pipeline group, data-parallel group, and the group of its pipeline's two ends.
 
     ``ends`` joins the first and last rank of the pipeline; tied parameters (input and output
-    embeddings) live on both and their gradients are summed over it.
+    embeddings) live on both and their gradients are summed over it. ``outcome`` is a gloo group of the
+    pipeline's ranks for each step's loss and logs (``runtime/outcome_channel.py``: its receives are
+    posted early, so nothing else may use it); None with one pipeline rank.
     """
 
     layout: RankLayout
     pipeline: dist.ProcessGroup
     data_parallel: dist.ProcessGroup
     ends: dist.ProcessGroup | None
+    outcome: dist.ProcessGroup | None = None
 
 
 def create_process_groups(layout: RankLayout, timeout: timedelta | None = None) -> ProcessGroups:
@@ -79,19 +82,20 @@ def create_process_groups(layout: RankLayout, timeout: timedelta | None = None) 
             ``timeout``); None: torch's default for the backend (30 minutes), which lets a frozen
             peer hang the others for that long.
     """
-    pipeline = data_parallel = ends = None
+    pipeline = data_parallel = ends = outcome = None
     for d in range(layout.data_parallel_size):
         ranks = layout.pipeline_ranks(d)
         group = dist.new_group(ranks, timeout=timeout)
         ends_group = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if len(ranks) > 1 else None
+        outcome_group = dist.new_group(ranks, timeout=timeout, backend="gloo") if len(ranks) > 1 else None
         if d == layout.data_parallel_rank:
-            pipeline, ends = group, ends_group
+            pipeline, ends, outcome = group, ends_group, outcome_group
     for p in range(layout.pipeline_parallel_size):
         group = dist.new_group(layout.data_parallel_ranks(p), timeout=timeout)
         if p == layout.pipeline_rank:
             data_parallel = group
     assert pipeline is not None and data_parallel is not None
-    return ProcessGroups(layout, pipeline, data_parallel, ends)
+    return ProcessGroups(layout, pipeline, data_parallel, ends, outcome)
 
 
 def destroy_default_group() -> None:

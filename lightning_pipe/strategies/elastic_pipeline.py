@@ -59,6 +59,7 @@ from lightning_pipe.runtime.loss_weights import (
     raw_weight,
     upfront_weights,
 )
+from lightning_pipe.runtime.outcome_channel import OutcomeChannel
 from lightning_pipe.runtime.microbatch import (
     BatchDim,
     MicrobatchPlan,
@@ -253,6 +254,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.boundaries: tuple[int, ...] = ()
         # set up in `setup_environment` / `_shard` / `_install`; declared here so the object has one shape
         self.groups: ProcessGroups | None = None
+        self._outcome_channel: OutcomeChannel | None = None  # the step's loss and logs to the pipeline
         self.unit_layout: UnitLayout | None = None
         self.runner: StageRunner | None = None
         self.executor: PipelineExecutor | None = None
@@ -393,6 +395,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         destroy_default_group_at_exit()
         self.groups = create_process_groups(self.layout, timeout=self._timeout)
+        self._outcome_channel = None if self.groups.outcome is None else OutcomeChannel(self.groups.outcome)
         if self.regrouping is not None:
             self.regrouping.create_groups(self.world_size, self._timeout)
         self.sharded_checkpoints.group = create_checkpoint_group(self._timeout)
@@ -1033,6 +1036,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         work.same_shapes = not work.describe_shapes  # lengths have not varied: every microbatch alike
         if self.metric_states and self._runs_last_stage():
             self.metric_states.begin()
+        if self._outcome_channel is not None:  # the outcome's receive lands while this rank finishes the step
+            self._outcome_channel.post(step_name, self._last_stage_rank())
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
             program_started = time.perf_counter()
             outcome = self.executor.run(program, self.spans, work)
@@ -1041,7 +1046,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             outcome = self.regrouping.merge_outcome(outcome, program, self.global_rank)
         self.last_outcome = outcome
         with self.step_clock.measure("share_outcome"):
-            return self._share_outcome(outcome, plan, weights, train, deferred)
+            return self._share_outcome(step_name, outcome, plan, weights, train, deferred)
 
     def _lengths_vary(self, plan: MicrobatchPlan, microbatches: list[Any]) -> bool:
         """Whether activations travel with their shapes: from the first step whose microbatches are
@@ -1089,10 +1094,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
         return decided.weights, decided.normalizer
 
     def _share_outcome(
-        self, outcome: Any, plan: Any, weights: list[float], train: bool, deferred: DeferredNormalization | None
+        self, step_name: str, outcome: Any, plan: Any, weights: list[float], train: bool,
+        deferred: DeferredNormalization | None,
     ) -> tuple[Tensor | None, Any]:
-        """Broadcast the loss, the reduced logs and the gradient's normalizer from the last stage;
-        normalise this step's gradient and replay the logs on every rank.
+        """Broadcast the loss, the reduced logs and the gradient's normalizer from the last stage
+        (``runtime/outcome_channel.py``); normalise this step's gradient and replay the logs on every rank.
 
         An error found on the last stage (a loss that cannot be weighted exactly) travels with the
         payload, so every rank raises it, before any optimizer step.
@@ -1119,9 +1125,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 payload = (None, [], 1.0, {}, error)
             finally:
                 self.metric_states.forget_outputs()
-        if self.pipeline_parallel_size > 1:
-            payload = collectives.broadcast_object(
-                payload, last_rank, self.groups.pipeline,
+        if self._outcome_channel is not None:
+            payload = self._outcome_channel.share(
+                step_name, last_rank, payload,
                 operation=f"the broadcast of the step's loss and logs from rank {last_rank} (the last stage)",
             )
         loss, logs, normalizer, metric_updates, error = payload

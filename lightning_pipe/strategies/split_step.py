@@ -311,7 +311,7 @@ class SplitPlacement:
         if self.stage_optimizers is not None:  # wait for this rank's stage steps; results into the shared parameters
             self.stage_optimizers.finish()
         strategy.last_outcome = outcome
-        return strategy._share_outcome(outcome, plan, weights, True, deferred)
+        return strategy._share_outcome(step_name, outcome, plan, weights, True, deferred)
 
     def _run_forward_only(self, strategy: Any, step_name: str, args: tuple) -> tuple[None, StepOutcome]:
         """An evaluation step of a sharded helix module: the program's forwards only."""
@@ -336,7 +336,7 @@ class SplitPlacement:
             strategy.metric_states.begin()
         outcome = run_split_step(self.executor, self.forward_program, steps, [1.0] * len(steps), recorder)
         strategy.last_outcome = outcome
-        return strategy._share_outcome(outcome, plan, list(plan.weights), False, None)
+        return strategy._share_outcome(step_name, outcome, plan, list(plan.weights), False, None)
 
     def _start_stage_optimizers(self, strategy: Any, num_microbatches: int) -> None:
         """SPipe's per-stage host optimizers (``runtime/optimizer_offload.StageOptimizers``) for the stages whose
