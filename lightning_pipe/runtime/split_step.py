@@ -79,13 +79,14 @@ class LastStageRecorder:
         self.loss = loss
         self.outcome = StepOutcome()
 
-    def run(self, microbatch: Any, run_stage: Callable[[], StageResult]) -> list[Tensor]:
-        """The last stage's outputs (its loss, weighted) for ``microbatch``; ``run_stage`` runs the step."""
+    def run(self, microbatch: Any, run_stage: Callable[..., StageResult]) -> list[Tensor]:
+        """The last stage's outputs (its loss, weighted) for ``microbatch``; ``run_stage(inner_modes)`` runs
+        the step with the loss counter as an inner mode of the stage runner (it sees the step's operations,
+        not the runner's own)."""
         if not self.train:
             mb = self.index[id(microbatch)]
             counter = LossCounter()
-            with counter:
-                result = run_stage()
+            result = run_stage((counter,))
             outcome = self.outcome
             outcome.step_outputs[mb], outcome.logs[mb] = result.step_output, result.logs
             returned = result.step_output.get("loss") if isinstance(result.step_output, dict) else result.step_output
@@ -97,8 +98,7 @@ class LastStageRecorder:
             return [self.loss(result.step_output).detach()]
         mb = self.index[id(microbatch)]
         counter = LossCounter()
-        with counter:
-            result = run_stage()
+        result = run_stage((counter,))
         loss = self.loss(result.step_output)
         outcome = self.outcome
         outcome.step_outputs[mb], outcome.logs[mb], outcome.losses[mb] = result.step_output, result.logs, loss.detach()
