@@ -21,6 +21,9 @@ Planner sets: ``auto`` (``AutoPlanner``: partition, family, microbatches, memory
 ``repartition`` (``ElasticRepartition``), ``memory`` (``MemoryPlanner`` under ``--budget``),
 ``switch`` (``ScheduleSwitch("auto")``), and ``+`` joins them (``repartition+memory+switch``). The
 first ``--warmup`` batches (cost probes, first plans, caches) are reported apart from the medians.
+``sync`` is no planner: one empty broadcast from rank 0 at every batch start, timed as ``sync_s``. It is
+the baseline of ``sync_s``: the ranks' skew that any collective at the batch start waits out (the last
+rank of a 1F1B step finishes before the first), which without it the step's first receive waits out.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ class ClockReader(L.Callback):
         Path(f"{self.path}-rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
+class BatchStartBroadcast(L.Callback):
+    """No planning: the collective a planner's plan travels in (an empty broadcast from rank 0), timed as plan_sync."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        with trainer.strategy.step_clock.measure("plan_sync"):
+            trainer.strategy.broadcast(None, src=0)
+
+
 def planners(spec: str, budget: str) -> list[L.Callback]:
     """The callbacks of one planner set (``repartition+memory``)."""
     from lightning_pipe.callbacks import AutoPlanner, ElasticRepartition, MemoryPlanner, ScheduleSwitch
@@ -70,6 +81,7 @@ def planners(spec: str, budget: str) -> list[L.Callback]:
         "repartition": lambda: ElasticRepartition(),
         "memory": lambda: MemoryPlanner(budget=budget),
         "switch": lambda: ScheduleSwitch("auto"),
+        "sync": BatchStartBroadcast,
     }
     unknown = set(spec.split("+")) - set(made)
     if unknown:
@@ -109,7 +121,7 @@ def summarize(spec: str, ranks: list[list[list[float]]], warmup: int) -> list[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--planners", nargs="+", default=["repartition", "memory", "switch", "auto",
+    parser.add_argument("--planners", nargs="+", default=["sync", "repartition", "memory", "switch", "auto",
                                                           "repartition+memory+switch"])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
