@@ -10,6 +10,12 @@ machine whose cores all train (CPU training, one process per core) a planner at 
 takes its CPU time from the step, and the planners do not price that; at the lowest priority it runs
 in the step's idle time (pipeline bubbles, waits on messages) and at full speed once the training
 thread blocks on its result.
+
+While a job runs, the interpreter's switch interval is 0.2 ms instead of 5 ms (restored after): a
+planner holds the GIL while it runs Python, and the training thread, back from a wait on a message,
+waited up to the switch interval for it at every collective and receive. On ``bench_planning``'s
+chained planners (repartition, memory, switch) the ranks' wait at the memory plan's broadcast fell
+from 7.8-8.8 ms to 3.9-5.4 ms a step (2 invocations each), against 1-3 ms for a bare broadcast.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 Result = TypeVar("Result")
+
+_SWITCH_INTERVAL = 0.0002  # seconds a thread holds the GIL while another waits for it, during jobs
 
 _WORKER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by process id: a forked child starts its own
 
@@ -61,9 +69,12 @@ class LookaheadJob(Generic[Result]):
 
     def _run(self, compute: Callable[[], Result]) -> Result:
         started = time.perf_counter()
+        previous = sys.getswitchinterval()  # jobs run one at a time: no other job changes it meanwhile
+        sys.setswitchinterval(min(previous, _SWITCH_INTERVAL))
         try:
             return compute()
         finally:
+            sys.setswitchinterval(previous)
             self.seconds = time.perf_counter() - started
 
     def join(self) -> Result:

@@ -44,3 +44,14 @@ def test_lookahead_thread_plans_at_the_lowest_priority_and_leaves_the_training_t
     job = LookaheadJob("key", lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), "test")
     assert job.join() == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_job_runs_with_a_short_switch_interval_and_restores_it():
+    """The training thread must not wait up to 5 ms for the GIL a planner holds, after each message."""
+    before = sys.getswitchinterval()
+    during = LookaheadJob("k", sys.getswitchinterval, "test").join()
+    assert during < before and during <= 0.0005
+    assert sys.getswitchinterval() == before
+    failed = LookaheadJob("k", lambda: 1 / 0, "test")
+    failed.wait()
+    assert sys.getswitchinterval() == before  # restored after an error too
