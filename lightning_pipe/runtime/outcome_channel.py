@@ -54,8 +54,8 @@ class _Schema:
         calls = []
         for call in logs:
             kind = _kind(call.value)
-            if kind is False or not all(isinstance(v, (str, int, float, bool, type(None))) for v in call.kwargs.values()):
-                return None  # options are compared with ==: plain values only
+            if kind is False or not _plain(call.kwargs):
+                return None
             calls.append((call.name, dict(call.kwargs), kind))
         return _Schema(loss is not None, tuple(calls))
 
@@ -68,7 +68,7 @@ class _Schema:
             return None
         values = [1.0, float(loss) if loss is not None else 0.0, normalizer]
         for call, (name, kwargs, kind) in zip(logs, self.calls):
-            if call.name != name or _kind(call.value) != kind or call.kwargs != kwargs:
+            if call.name != name or _kind(call.value) != kind or not _plain(call.kwargs) or call.kwargs != kwargs:
                 return None
             values.append(float(call.value))
         return torch.tensor(values, dtype=torch.float64)
@@ -81,6 +81,11 @@ class _Schema:
             for (name, kwargs, kind), value in zip(self.calls, values[3:])
         ]
         return loss, logs, values[2], {}, None
+
+
+def _plain(options: dict) -> bool:
+    """Whether log options hold plain values only (they are compared with ``==``)."""
+    return all(isinstance(v, (str, int, float, bool, type(None))) for v in options.values())
 
 
 def _kind(value: Any) -> torch.dtype | None | bool:
