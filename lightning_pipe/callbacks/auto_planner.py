@@ -159,7 +159,7 @@ class AutoPlanner(L.Callback):
     ) -> None:
         if not families:
             raise ValueError("`AutoPlanner(families=())` has nothing to choose from.")
-        split = [resolve_schedule(f).name for f in families if is_split_placement(resolve_schedule(f))]
+        split = [s.name for s in map(resolve_schedule, families) if is_split_placement(s)]
         if split:
             raise ValueError(
                 f"`AutoPlanner(families=...)` lists {split}: the strategy cannot switch a run into or out of split "

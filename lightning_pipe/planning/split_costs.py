@@ -27,6 +27,7 @@ Pure: ``schedules`` and numpy only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,12 +70,8 @@ def _spipe_costs(cost_model: CostModel, program: Program, microbatches: Sequence
     costs = cost_model.stage_costs(uniform_partition(cost_model.num_blocks, program.num_stages), microbatches)
     assert costs.activation_bytes is not None
     zero = tuple(0.0 for _ in microbatches)
-    inputs = (zero, *costs.activation_bytes[:-1])  # a stage's checkpoint is what the stage before sent it
-    return ActionCosts(
-        forward=costs.forward, backward=costs.backward, activation_bytes=costs.activation_bytes,
-        saved_bytes=costs.saved_bytes, static_bytes=costs.static_bytes, checkpoint_bytes=inputs,
-        latency=costs.latency, bandwidth=costs.bandwidth,
-    )
+    # a stage's checkpoint is what the stage before sent it
+    return dataclasses.replace(costs, checkpoint_bytes=(zero, *costs.activation_bytes[:-1]))
 
 
 def _helix_costs(cost_model: CostModel, program: Program, microbatches: Sequence[MicrobatchShape]) -> ActionCosts:

@@ -62,9 +62,9 @@ class _Schema:
     def encode(self, payload: Payload) -> Tensor | None:
         """``[1, loss, normalizer, values...]`` if ``payload`` fits this schema, else None."""
         loss, logs, normalizer, metric_updates, error = payload
-        if error is not None or metric_updates or (loss is not None) != self.has_loss or len(logs) != len(self.calls):
+        if error is not None or metric_updates or not isinstance(normalizer, float):
             return None
-        if not isinstance(normalizer, float):
+        if (loss is not None) != self.has_loss or len(logs) != len(self.calls):
             return None
         values = [1.0, float(loss) if loss is not None else 0.0, normalizer]
         for call, (name, kwargs, kind) in zip(logs, self.calls):
