@@ -14,8 +14,9 @@ Configurations, each run in its own fresh subprocess(es) started by this script,
                        reported as "not available" until `lightning_pipe` provides the strategy.
 
 All of them train the same `examples/gpt` GPT (same seed, so the same initial weights) with
-AdamW on the same FIXED-length token batches (`examples/gpt/data.py`, `fixed_len`), the same
-global batch, the same number of microbatches for the pipelines, and the same number of steps.
+AdamW on the same FIXED-length token batches (`examples/gpt/data.py`, `fixed_len`), made
+before the run in every row (making one costs about 1 ms of CPU, which a row that made them per
+step would pay inside its steps and the others not), the same global batch, the same number of microbatches for the pipelines, and the same number of steps.
 The first `--warmup` steps are not timed. Distributed runs use gloo, rendezvous through a
 `file://` store, and `torch.set_num_threads(1)` in every rank (`OMP_NUM_THREADS=1`).
 
@@ -338,7 +339,8 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
 
         monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=0)
 
-    data = TokenBatches(args.warmup + args.steps, args.global_batch, fixed_len=args.seq_len, seed=args.seed)
+    # the batches made before the run, as the torch rows have them (generating one costs about 1 ms)
+    data = make_batches(args)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
