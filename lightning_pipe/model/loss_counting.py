@@ -3,8 +3,9 @@
 A microbatch's loss is only a piece of the batch's loss. To combine pieces exactly, the pipeline
 must know what each piece averages over: ``F.cross_entropy(..., ignore_index=-100)`` with the default
 ``reduction="mean"`` divides by the number of *counted* targets of its own microbatch, which differs
-between microbatches when sequences are padded. :class:`LossCounter` is a torch-function mode that
-runs around the last stage's step for one microbatch and records
+between microbatches when sequences are padded. :class:`LossCounter` watches the last stage's step for one
+microbatch (as a torch-function mode, or called by the stage runner's placeholder mode for each
+operation it sees) and records
 
 * every call of a known loss function (cross-entropy and NLL with their ``ignore_index`` and class
   weights; elementwise losses such as MSE), with the count its reduction divides by (a mean) or sums
@@ -115,11 +116,17 @@ class LossCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.observe(func, args, kwargs, out)
+        return out
+
+    def observe(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """Record one operation of the step and its result (what the mode does per operation; the
+        stage runner calls it from its placeholder mode instead, one mode dispatch per operation
+        rather than two)."""
         if func in _SIGNATURES:
             self._record_call(func, args, kwargs, out)
         elif self._traced and isinstance(out, Tensor):
             self._propagate(func, args, kwargs, out)
-        return out
 
     def trace(self, value: Any) -> Traced | None:
         """How ``value`` traces back to a loss call, or None."""

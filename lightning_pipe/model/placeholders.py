@@ -137,6 +137,9 @@ class PlaceholderMode(TorchFunctionMode):
         describe_block: block index -> its dotted path, for messages.
         cache: what placeholders reuse across runs, kept by the caller (:class:`PlaceholderCache`);
             None: every placeholder is allocated and every operation on one runs on meta.
+        observers: objects whose ``observe(func, args, kwargs, result)`` is called after each
+            operation the mode sees (a loss counter), with the operation's arguments and its result
+            under these rules; they see the step's operations, not the mode's own.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class PlaceholderMode(TorchFunctionMode):
         observe: bool = False,
         describe_block: Callable[[int], str] | None = None,
         cache: PlaceholderCache | None = None,
+        observers: tuple[Any, ...] = (),
     ) -> None:
         super().__init__()
         self.device = device
@@ -153,6 +157,7 @@ class PlaceholderMode(TorchFunctionMode):
         self.observe = observe
         self.describe_block = describe_block
         self.cache = cache
+        self.observers = observers
         self.inside: int | None = None  # observation: index of the block whose meta twin runs
         self.reads: list[frozenset] = []
         self._run = object()  # tags of earlier runs are ignored (a tensor may outlive a run)
@@ -200,6 +205,12 @@ class PlaceholderMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = self._apply(func, args, kwargs)
+        for observer in self.observers:
+            observer.observe(func, args, kwargs, result)
+        return result
+
+    def _apply(self, func, args: tuple, kwargs: dict) -> Any:
         if self.inside is None and ("device" in kwargs or func in _MOVES):
             args, kwargs = real_devices(func, args, kwargs, self.device)
         leaves = _tensor_leaves(args, kwargs)

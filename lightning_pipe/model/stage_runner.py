@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_pipe.model._torch_compat import (
     PYTREE_NODES,
@@ -41,7 +40,6 @@ from lightning_pipe.model._torch_compat import (
     tree_unflatten,
 )
 from lightning_pipe.model.blocks import BlockStack
-from lightning_pipe.model.loss_counting import LossCounter
 from lightning_pipe.model.placeholders import PlaceholderCache, PlaceholderMode, describe_sources, find_tainted
 from lightning_pipe.model.shape_rules import ShapeRules, TensorSpec
 
@@ -209,11 +207,12 @@ def _suspended():
 def _idle_in_blocks(mode: Any) -> bool:
     """Modes with nothing to do inside a block this rank runs, taken off the stack there.
 
-    Placeholders only arise outside real blocks, and a loss the counter traces is computed after the
-    blocks; a loss call inside a block would be seen only on the stage that happens to run that block
-    and so depend on the partition. Modes of the model's attention (packing, slicing) stay.
+    Placeholders only arise outside real blocks, and a loss the counter (an observer of the
+    placeholder mode) traces is computed after the blocks; a loss call inside a block would be seen
+    only on the stage that happens to run that block and so depend on the partition. Modes of the
+    model's attention (packing, slicing) stay.
     """
-    return isinstance(mode, (PlaceholderMode, LossCounter))
+    return isinstance(mode, PlaceholderMode)
 
 
 class StageRunner:
@@ -262,7 +261,7 @@ class StageRunner:
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         return forward
 
-    def _mode(self, observe: bool) -> PlaceholderMode:
+    def _mode(self, observe: bool, observers: tuple[Any, ...] = ()) -> PlaceholderMode:
         device = self.device
         if device is None:
             device = next((p.device for p in self.root.parameters() if not p.is_meta), torch.device("cpu"))
@@ -274,6 +273,7 @@ class StageRunner:
             observe=observe,
             describe_block=self.stack.block_path,
             cache=None if observe else self._placeholders_cache,
+            observers=observers,
         )
 
     def parameters_changed(self) -> None:
@@ -303,8 +303,8 @@ class StageRunner:
                 f"Block {index} ran after stage {span.stage}'s last block {span.end_block - 1} without the stage "
                 "being cut short; the block stack must be called in order, once per step."
             )
-        self._check_real_arguments(run, index, args, kwargs)
-        with function_modes_removed(_idle_in_blocks):
+        with function_modes_removed(_idle_in_blocks):  # the check too: tensor attributes read without dispatch
+            self._check_real_arguments(run, index, args, kwargs)
             if run.wrap_block is not None:
                 output = run.wrap_block(index, original, args, kwargs)
             else:
@@ -392,7 +392,7 @@ class StageRunner:
         span: StageSpan,
         receive: Callable[[list[Tensor]], list[Tensor]] | None = None,
         wrap_block: BlockWrapper | None = None,
-        inner_modes: tuple[TorchFunctionMode, ...] = (),
+        observers: tuple[Any, ...] = (),
     ) -> StageResult:
         """Run ``root.<step_name>(*step_args)`` as stage ``span`` and return what it produced.
 
@@ -403,9 +403,10 @@ class StageRunner:
             receive: given the meta tensors of the previous stage's output (shapes, dtypes), returns
                 the real tensors; required unless ``span.is_first``.
             wrap_block: runs each of the stage's block calls (memory plans: recompute, offload).
-            inner_modes: torch-function modes that see the step's operations before the placeholder
-                mode does (a :class:`~lightning_pipe.model.loss_counting.LossCounter`), entered
-                above it so that they do not also see the placeholder mode's own operations.
+            observers: see each operation of the step outside the blocks this stage runs, with its
+                result (a :class:`~lightning_pipe.model.loss_counting.LossCounter`); the placeholder
+                mode calls them (``observe(func, args, kwargs, result)``), so they cost no mode
+                dispatch of their own and do not see the placeholder mode's own operations.
 
         Raises:
             RuntimeError: a block this stage runs, the loss or a logged value would be computed
@@ -414,13 +415,11 @@ class StageRunner:
         """
         if self._active is not None:
             raise RuntimeError("StageRunner.run is not reentrant: a stage is already running.")
-        run = _ActiveRun(span, receive, wrap_block, self._mode(observe=False))
+        run = _ActiveRun(span, receive, wrap_block, self._mode(observe=False, observers=observers))
         self._active = run
         recorded: list[LogCall] = []
         try:
-            with self._capture_logs(recorded), run.mode, contextlib.ExitStack() as inner:
-                for mode in inner_modes:
-                    inner.enter_context(mode)
+            with self._capture_logs(recorded), run.mode:
                 try:
                     run.result.step_output = getattr(self.root, step_name)(*step_args)
                 except _StageBoundary as boundary:

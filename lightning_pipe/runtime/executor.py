@@ -242,7 +242,7 @@ class PipelineExecutor:
             span,
             receive=lambda metas: self._receive(stage, mb, metas),
             wrap_block=wrapper,
-            inner_modes=() if counter is None else (counter,),
+            observers=() if counter is None else (counter,),
         )
         slot = _Slot(result)
         self._slots[(stage, mb)] = slot

@@ -201,10 +201,10 @@ class StepHelixStages(HelixStages):
         first = min(layer, num_blocks)
         span = StageSpan(stage, first, min(layer + 1, num_blocks), num_blocks)
 
-        def run(inner_modes: tuple = ()) -> Any:
+        def run(observers: tuple = ()) -> Any:
             return self.runner.run(
                 self.step_name, tuple(microbatch), span, receive=receive if stage else None, wrap_block=pre_attention,
-                inner_modes=inner_modes,
+                observers=observers,
             )
 
         if stage == self.num_stages - 1 and self.recorder is not None:

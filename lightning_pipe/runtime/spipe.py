@@ -139,10 +139,10 @@ class StepSPipeStages:
         """The stage's part of the step for ``microbatch`` (the step's arguments) on ``inputs``."""
         span = StageSpan(stage, stage * self.per_stage, (stage + 1) * self.per_stage, self.num_blocks)
 
-        def run(inner_modes: tuple = ()) -> Any:
+        def run(observers: tuple = ()) -> Any:
             return self.runner.run(
                 self.step_name, tuple(microbatch), span, receive=(lambda metas: inputs) if stage else None,
-                inner_modes=inner_modes,
+                observers=observers,
             )
 
         if span.is_last:

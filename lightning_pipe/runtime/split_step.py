@@ -80,8 +80,8 @@ class LastStageRecorder:
         self.outcome = StepOutcome()
 
     def run(self, microbatch: Any, run_stage: Callable[..., StageResult]) -> list[Tensor]:
-        """The last stage's outputs (its loss, weighted) for ``microbatch``; ``run_stage(inner_modes)`` runs
-        the step with the loss counter as an inner mode of the stage runner (it sees the step's operations,
+        """The last stage's outputs (its loss, weighted) for ``microbatch``; ``run_stage(observers)`` runs
+        the step with the loss counter as an observer of the stage runner (it sees the step's operations,
         not the runner's own)."""
         if not self.train:
             mb = self.index[id(microbatch)]

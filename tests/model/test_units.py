@@ -15,6 +15,7 @@ from lightning_pipe.model import (
     real_parameter_bytes,
     shard_module,
 )
+from lightning_pipe.model.loss_counting import LossCounter
 from tests.helpers.models import MaskedModel, TinyGPT
 
 
@@ -75,3 +76,34 @@ def test_first_stage_cuts_the_step_after_its_last_block():
     result = runner.run("training_step", (batch, 0), StageSpan(0, 0, 2, 4))
     assert result.step_output is None and len(result.outputs) == 1
     assert result.outputs[0].shape == (2, 4, 16) and result.outputs[0].requires_grad
+
+
+def test_observers_see_the_steps_operations_outside_the_stage_blocks_only():
+    """The loss counter rides on the placeholder mode: it traces the last stage's loss to its
+    cross-entropy call, and sees neither the operations inside the blocks the stage runs nor the
+    meta-device runs the placeholder mode makes for the blocks before the stage."""
+    model = TinyGPT(layers=4).double()
+    batch = torch.randint(0, 32, (2, 7))
+    stack = find_blocks(model)
+    runner = StageRunner(model, stack)
+    layout = analyze_units(model, stack)
+    shard_module(model, layout, owned_units((0, 2, 4), (1,)), torch.device("cpu"))
+    runner.parameters_changed()
+    seen = []
+
+    class Recorder:
+        def observe(self, func, args, kwargs, result):
+            seen.append(getattr(func, "__name__", repr(func)))
+
+    counter = LossCounter()
+    received = torch.randn(2, 6, 16, dtype=torch.float64, requires_grad=True)
+    result = runner.run(
+        "training_step", (batch, 0), StageSpan(1, 2, 4, 4), receive=lambda metas: [received],
+        observers=(counter, Recorder()),
+    )
+    record = counter.record(result.step_output, [call.value for call in result.logs])
+    assert record.returned is not None and record.describe(record.returned) == "`F.cross_entropy(reduction='mean')`"
+    assert record.count_of(record.returned).item() == 12
+    assert seen.count("cross_entropy") == 1 and "embedding" in seen  # the step's own calls, before and after
+    assert "scaled_dot_product_attention" not in seen and "gelu" not in seen  # inside the stage's blocks: none
+    assert len(seen) < 40
