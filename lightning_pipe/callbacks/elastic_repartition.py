@@ -233,7 +233,9 @@ class ElasticRepartition(L.Callback):
             upcoming_shapes = tuple(costs.shapes(costs.heaviest([e[1] for e in everyone])))
             running = plan.candidate.boundaries if decision.migrate else tuple(strategy.boundaries)
             next_key = _PlanKey(model, upcoming_shapes, tuple(running), strategy.schedule, tuple(self._recent))
-            self._job = LookaheadJob(next_key, functools.partial(self._plan, next_key), "ElasticRepartition-plan")
+            self._job = LookaheadJob(
+                next_key, functools.partial(self._plan, next_key), "ElasticRepartition-plan", strategy.plan_applied
+            )
         self._pending.update(
             batch_idx=batch_idx,
             global_step=trainer.global_step,

@@ -141,7 +141,9 @@ class ScheduleSwitch(L.Callback):
             stages = strategy.pipeline_parallel_size * schedule.stages_per_rank
             boundaries = key.boundaries if stages == len(key.boundaries) - 1 else strategy.default_boundaries(stages)
             ahead = _RankKey(model, upcoming_shapes, tuple(boundaries), schedule)
-            self._job = LookaheadJob(ahead, functools.partial(self._rank, strategy, ahead), "ScheduleSwitch-rank")
+            self._job = LookaheadJob(
+                ahead, functools.partial(self._rank, strategy, ahead), "ScheduleSwitch-rank", strategy.plan_applied
+            )
         return schedule
 
     def _rank(self, strategy: PipelineStrategy, key: _RankKey) -> tuple[Schedule, list[AutoScheduleRow]]:

@@ -267,6 +267,26 @@ def split_batch(batch: Any, num_microbatches: int, batch_dim: BatchDim = 0) -> l
     return plan_microbatches(batch, num_microbatches, batch_dim).split(batch)
 
 
+def batch_contents(value: Any) -> tuple:
+    """What a batch's split depends on, comparable with ``==``: its containers' types and keys, the
+    identity and in-place version of its tensors, the identity of other objects, the values of its
+    plain leaves. A batch moved to the device it is already on is a new container of the same
+    tensors: the same contents (so a split made when a planner looked at the next batch serves the
+    step); a tensor changed in place since (a hook masking tokens) is not. Equal contents mean the
+    same batch only while the objects are alive: keep the batch with what is remembered for it."""
+    if isinstance(value, Tensor):
+        return ("T", id(value), value._version)
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, Mapping):
+        return (type(value), tuple((key, batch_contents(item)) for key, item in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(batch_contents(item) for item in value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value), tuple((f.name, batch_contents(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    return ("O", id(value))
+
+
 def tensor_shapes(value: Any) -> list[tuple[int, ...]]:
     """Shapes of the tensors in ``value`` (a batch or a microbatch), in the batch's walking order."""
     return [tuple(leaf.shape) for _, leaf in _leaves(value, ()) if isinstance(leaf, Tensor)]

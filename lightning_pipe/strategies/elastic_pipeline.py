@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -64,6 +65,7 @@ from lightning_pipe.runtime.microbatch import (
     BatchDim,
     MicrobatchPlan,
     SplitBatch,
+    batch_contents,
     batch_size_of,
     plan_microbatches,
     tensor_shapes,
@@ -267,6 +269,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._sample_mixing = False
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.step_clock = StepClock()  # the step's parts outside the program (for the monitor)
+        # set once a training batch's plan is applied; a new one per batch (lookahead jobs wait for it)
+        self.plan_applied = threading.Event()
         self.last_migration: MigrationReport | None = None
         self.memory = StrategyMemory(  # see strategies/memory.py
             memory_budget, recompute, offload, mlp_chunk_size, optimizer_offload=optimizer_offload
@@ -281,7 +285,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._shapes_vary = False  # see _lengths_vary
         self._last_shapes: list[list[tuple[int, ...]]] | None = None
         self._warned_sample_mixing = False
-        self._splits: list[tuple[Any, tuple, SplitBatch]] = []  # latest: (batch kept to compare, (count, sizes), split)
+        # latest: (batch, its contents, (count, sizes, chunks), split); the batch is kept so that its contents' ids stay its own
+        self._splits: list[tuple[Any, tuple, tuple, SplitBatch]] = []
         self._short_programs: dict[Any, Program] = {}
         self._programs: dict[tuple[Schedule, int, int], Program] = {}  # validated builds per (family, ranks, count)
         self._microbatch_sizes: tuple[int, ...] | None = None
@@ -643,6 +648,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.training:
             self.step_clock.reset()
+            self.plan_applied = threading.Event()
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -652,8 +658,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.step_clock.reset()
         self.step_clock.fresh = False
         proposals, self._proposals = self._proposals, []
-        with self.step_clock.measure("apply"):
-            self.last_application = apply_proposals(self, proposals, batch_idx)
+        try:
+            with self.step_clock.measure("apply"):
+                self.last_application = apply_proposals(self, proposals, batch_idx)
+        finally:
+            self.plan_applied.set()  # lookahead jobs of this batch start now
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
         """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.
@@ -792,8 +801,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         count = self.num_microbatches if plan is None else plan.num_microbatches
         sizes = self._microbatch_sizes if plan is None else plan.microbatch_sizes
         chunks = self._planned_chunks if plan is None else plan.chunks
-        for seen, key, split in self._splits:
-            if seen is batch and key == (count, sizes, chunks):
+        contents = batch_contents(batch)
+        for _, seen, key, split in self._splits:
+            if seen == contents and key == (count, sizes, chunks):
                 return split
         warn_sizes = train is True  # the step itself runs it (planners' looks pass None)
         if train is None:
@@ -806,7 +816,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             elif self.packer.slicing and self.packer.chunk_cost is not None:  # Algorithm 1 (planning/chunking.py)
                 chunker = functools.partial(chunk_pieces, time=self.packer.chunk_cost, max_tokens=self.packer.max_tokens)
             packed = self.packer.plan(batch, count, chunker)
-            return self._keep_split(batch, (count, sizes, chunks), SplitBatch(packed, packed.split(batch)))
+            return self._keep_split(batch, contents, (count, sizes, chunks), SplitBatch(packed, packed.split(batch)))
         if chunks is not None and train:
             raise ValueError(
                 "The plan gives the batch's microbatches as chunks (`PipelinePlan.chunks`), which need "
@@ -816,7 +826,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         planned = self._plan_microbatches(batch, count, sizes, trim=train and self._trim_padding)
         if planned.padding is not None and not self.trim_verdicts.get(planned.padding.layout, TrimVerdict(True)).exact:
             planned = self._plan_microbatches(batch, count, sizes, trim=False)
-        return self._keep_split(batch, key, SplitBatch(planned, planned.split(batch)))
+        return self._keep_split(batch, contents, key, SplitBatch(planned, planned.split(batch)))
 
     def _sizes_of(self, batch: Any, sizes: tuple[int, ...] | None, warn: bool) -> tuple[int, ...] | None:
         """The plan's microbatch sizes if they are this batch's, else None (an even split, exact as any): with a
@@ -849,8 +859,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             group_by_length=trim and self._group_by_length, grouped_sizes=grouped_sizes,
         )
 
-    def _keep_split(self, batch: Any, key: tuple, split: SplitBatch) -> SplitBatch:
-        self._splits = [(batch, key, split)] + [entry for entry in self._splits if entry[0] is not batch][:2]
+    def _keep_split(self, batch: Any, contents: tuple, key: tuple, split: SplitBatch) -> SplitBatch:
+        # the batch is kept with its split: while it lives, no other object takes the ids in ``contents``
+        self._splits = [(batch, contents, key, split)] + [entry for entry in self._splits if entry[1] != contents][:2]
         return split
 
     def _check_trimming(self, step_name: str, batch: Any, rest: tuple, split: SplitBatch) -> SplitBatch:
@@ -874,7 +885,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         )
         key = (self.num_microbatches, self._microbatch_sizes)
         plan = self._plan_microbatches(batch, *key, trim=False)
-        return self._keep_split(batch, (*key, None), SplitBatch(plan, plan.split(batch)))
+        self._splits = []  # splits a planner made before the verdict (the next batch's) are cut: made again
+        return self._keep_split(batch, batch_contents(batch), (*key, None), SplitBatch(plan, plan.split(batch)))
 
     def _program_for(self, num_microbatches: int, train: bool) -> Program:
         """The program for this step: the plan's, or one for a short batch's fewer microbatches."""

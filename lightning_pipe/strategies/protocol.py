@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import threading
+
     import torch
 
     from lightning_pipe.planning.plan import PipelinePlan
@@ -41,6 +43,8 @@ class PipelineStrategy(Protocol):
         root_device: this rank's device.
         regrouping: the elastic-depth helper (``strategies/regrouping.py``) with
             ``elastic_depth=True``, else None.
+        plan_applied: set once the current training batch's plan is applied (a new event per
+            batch); lookahead jobs made while the batch is planned start after it.
     """
 
     boundaries: tuple[int, ...]
@@ -52,6 +56,7 @@ class PipelineStrategy(Protocol):
     last_outcome: Any
     step_clock: StepClock
     regrouping: Any
+    plan_applied: threading.Event
 
     @property
     def root_device(self) -> torch.device:

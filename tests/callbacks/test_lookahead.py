@@ -55,3 +55,15 @@ def test_a_job_runs_with_a_short_switch_interval_and_restores_it():
     failed = LookaheadJob("k", lambda: 1 / 0, "test")
     failed.wait()
     assert sys.getswitchinterval() == before  # restored after an error too
+
+
+def test_a_job_made_while_a_batch_is_planned_starts_once_its_plan_is_applied():
+    """Started at once, a job shared the GIL with the hooks and the plan's broadcast every rank waits
+    for; it waits for the strategy's ``plan_applied`` instead, and a join does not wait for it."""
+    applied, started = threading.Event(), threading.Event()
+    job = LookaheadJob("k", lambda: started.set() or 3, "test", start_after=applied)
+    assert not started.wait(0.2)  # the plan is not applied: the job has not started
+    applied.set()
+    assert started.wait(10) and job.join() == 3
+    pending = LookaheadJob("k", lambda: 4, "test", start_after=threading.Event())
+    assert pending.join() == 4  # the training thread needs it now: it starts without the event

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_pipe.runtime.microbatch import plan_microbatches, split_batch
+from lightning_pipe.runtime.microbatch import batch_contents, plan_microbatches, split_batch
 
 
 def test_samples_in_order_first_microbatches_one_larger():
@@ -87,3 +87,17 @@ def test_zero_dim_tensors_are_given_whole():
 def test_a_batch_without_tensors_is_refused():
     with pytest.raises(ValueError, match="holds no tensor with a batch dimension"):
         plan_microbatches(["a", "b"], 2)
+
+
+def test_batch_contents_match_for_a_new_container_of_the_same_tensors_only():
+    """A batch moved to the device it is on is a new dict of the same tensors (a split made of the
+    peeked batch serves the step); other tensors, other plain values or an in-place change do not match."""
+    ids = torch.arange(12).reshape(3, 4)
+    batch = {"input_ids": ids, "lengths": [4, 3, 2], "name": "a"}
+    contents = batch_contents(batch)
+    assert batch_contents(dict(batch)) == contents
+    assert batch_contents({**batch, "input_ids": ids.clone()}) != contents
+    assert batch_contents({**batch, "lengths": [4, 3, 1]}) != contents
+    assert batch_contents([ids, [4, 3, 2], "a"]) != contents
+    ids[0, 0] = 7  # a hook masking tokens in place
+    assert batch_contents(batch) != contents

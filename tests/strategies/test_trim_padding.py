@@ -166,6 +166,23 @@ def test_a_mean_over_padded_positions_is_detected_and_runs_uncut(tmp_path):
     assert all(r["lengths"] == [None] * 4 for r in records)
 
 
+def test_a_split_a_planner_made_before_the_verdict_is_not_run(tmp_path):
+    """A lookahead planner splits the next batch (cut to its real tokens) while the first batch has
+    not been checked yet; the step reuses such splits (the same tensors in a new container), so
+    when the check then refuses cutting, they must be made again, uncut."""
+    from lightning_pipe.callbacks import ElasticRepartition
+
+    steps = len(LENGTHS)
+    pipelined = fit(
+        lambda: MeanPooledClassifier().double(), padded_batches(LENGTHS), _strategy(), devices=2, steps=steps,
+        callbacks=[ElasticRepartition(), RecordMicrobatches(tmp_path / "mb.jsonl")],
+    )
+    reference = fit(lambda: MeanPooledClassifier().double(), reference_batches(padded_batches(LENGTHS), 1), steps=steps)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    records = _records(tmp_path / "mb.jsonl")
+    assert all(r["lengths"] == [None] * 4 for r in records)
+
+
 def test_trim_padding_false_keeps_every_microbatch_whole(tmp_path):
     records = _parity(
         lambda: HFCausalLM("llama", layers=4).double(), padded_batches(LENGTHS), _strategy(trim_padding=False),
