@@ -213,8 +213,12 @@ class DeferredNormalization:
         scale = 1.0 / normalizer if normalizer else 0.0
         with torch.no_grad():
             grads = [p.grad for p in self.parameters if p.grad is not None]
-            if grads:  # one call, not one per parameter: the same products, without 2 us of Python each
-                torch._foreach_mul_(grads, scale)
+            dense = [g for g in grads if g.layout == torch.strided]
+            if dense:  # one call, not one per parameter: the same products, without 2 us of Python each
+                torch._foreach_mul_(dense, scale)
+            for grad in grads:
+                if grad.layout != torch.strided:  # sparse embedding gradients: foreach takes dense tensors only
+                    grad.mul_(scale)
             for p, earlier in zip(self.parameters, self.earlier, strict=True):
                 if p.grad is None:
                     p.grad = earlier

@@ -135,3 +135,18 @@ def test_user_weights_are_normalised_and_checked():
     assert upfront_weights("sum", [None, None], [2, 2]) == [1.0, 1.0]
     with pytest.raises(ValueError, match=r"`loss_weights` returned \[-1.0, 3.0\]"):
         upfront_weights(lambda mb: mb, [-1.0, 3.0], [2, 2])
+
+
+def test_deferred_normalization_scales_dense_and_sparse_gradients_alike():
+    """Dense gradients are scaled in one foreach call; a sparse embedding's gradient cannot be, and is
+    scaled on its own: every gradient ends as this step's divided by the normalizer."""
+    embedding, linear = torch.nn.Embedding(5, 3, sparse=True), torch.nn.Linear(3, 2)
+    params = [*embedding.parameters(), *linear.parameters()]
+    deferred = DeferredNormalization(params)
+    deferred.begin()
+    linear(embedding(torch.tensor([1, 2, 2]))).sum().backward()
+    expected = [p.grad.to_dense() / 4 for p in params]
+    deferred.end(4.0)
+    assert embedding.weight.grad.is_sparse
+    for p, want in zip(params, expected):
+        assert torch.equal(p.grad.to_dense(), want)
