@@ -21,6 +21,7 @@ __all__ = [
     "TorchDispatchMode",
     "accumulate_from_edges",
     "flash_attention_cpu_ops",
+    "foreach_mul_",
     "grad_output_count",
     "op_argument_names",
     "record_found_inf",
@@ -36,6 +37,9 @@ TorchDispatchMode = private_name("torch.utils._python_dispatch", "TorchDispatchM
 
 
 _ENGINE_RUN_BACKWARD = private_name("torch.autograd.graph", "_engine_run_backward", "runtime/_torch_compat.py")
+
+# ``tensor *= scalar`` for a list of dense tensors in one call (what torch's optimizers use)
+foreach_mul_ = private_name("torch", "_foreach_mul_", "runtime/_torch_compat.py")
 
 
 def accumulate_from_edges(

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.model.loss_counting import MEAN, SUM, LossRecord
+from lightning_pipe.runtime._torch_compat import foreach_mul_
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ class DeferredNormalization:
             grads = [p.grad for p in self.parameters if p.grad is not None]
             dense = [g for g in grads if g.layout == torch.strided]
             if dense:  # one call, not one per parameter: the same products, without 2 us of Python each
-                torch._foreach_mul_(dense, scale)
+                foreach_mul_(dense, scale)
             for grad in grads:
                 if grad.layout != torch.strided:  # sparse embedding gradients: foreach takes dense tensors only
                     grad.mul_(scale)

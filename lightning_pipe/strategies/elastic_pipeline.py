@@ -269,8 +269,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._sample_mixing = False
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.step_clock = StepClock()  # the step's parts outside the program (for the monitor)
-        # set once a training batch's plan is applied; a new one per batch (lookahead jobs wait for it)
-        self.plan_applied = threading.Event()
+        # set once a training batch's plan is applied; a new one per batch (lookahead jobs wait for it);
+        # None until the first batch: the strategy is pickled to spawned ranks, and an event holds a lock
+        self.plan_applied: threading.Event | None = None
         self.last_migration: MigrationReport | None = None
         self.memory = StrategyMemory(  # see strategies/memory.py
             memory_budget, recompute, offload, mlp_chunk_size, optimizer_offload=optimizer_offload
@@ -662,7 +663,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             with self.step_clock.measure("apply"):
                 self.last_application = apply_proposals(self, proposals, batch_idx)
         finally:
-            self.plan_applied.set()  # lookahead jobs of this batch start now
+            if self.plan_applied is not None:
+                self.plan_applied.set()  # lookahead jobs of this batch start now
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
         """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.

@@ -44,7 +44,7 @@ class PipelineStrategy(Protocol):
         regrouping: the elastic-depth helper (``strategies/regrouping.py``) with
             ``elastic_depth=True``, else None.
         plan_applied: set once the current training batch's plan is applied (a new event per
-            batch); lookahead jobs made while the batch is planned start after it.
+            batch, None before the first); lookahead jobs made while the batch is planned start after it.
     """
 
     boundaries: tuple[int, ...]
@@ -56,7 +56,7 @@ class PipelineStrategy(Protocol):
     last_outcome: Any
     step_clock: StepClock
     regrouping: Any
-    plan_applied: threading.Event
+    plan_applied: threading.Event | None
 
     @property
     def root_device(self) -> torch.device:

@@ -75,6 +75,12 @@ def test_record_found_inf_makes_update_back_off():
     assert scaler.get_scale() == 4.0  # backed off by the default factor 0.5
 
 
+def test_foreach_mul_scales_every_tensor_in_place():
+    tensors = [torch.ones(2), torch.full((3,), 2.0, dtype=torch.float64)]
+    compat.foreach_mul_(tensors, 0.5)
+    assert tensors[0].tolist() == [0.5, 0.5] and tensors[1].tolist() == [1.0, 1.0, 1.0]
+
+
 def test_grad_output_count_counts_a_nodes_outputs():
     x = torch.ones(3, requires_grad=True)
     a, b = x.split([1, 2])
