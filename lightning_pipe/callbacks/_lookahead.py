@@ -12,9 +12,10 @@ in the step's idle time (pipeline bubbles, waits on messages) and at full speed 
 thread blocks on its result.
 
 A job created while the strategy plans a batch (its callbacks' ``on_train_batch_start`` and the
-plan's application) starts only once that plan is applied (``start_after``, the strategy's
-``plan_applied``): started at once, it shared the GIL with the hooks, the plan's broadcast and the
-migration that every rank waits for. On ``bench_planning``'s chained planners, delaying the jobs'
+plan's application) is queued only once that plan is applied (``start_after``, the strategy's
+``plan_gate``): started at once, it shared the GIL with the hooks, the plan's broadcast and the
+migration that every rank waits for. Held back rather than queued and blocked, it keeps no thread
+waiting when the gate never opens (an error in a hook), which would hang the process at exit. On ``bench_planning``'s chained planners, delaying the jobs'
 start by 20 ms halved the ranks' wait at the memory plan's broadcast (4.9 to 2.8 and 1.2 ms, one
 invocation each); the gate starts them as soon as the plan is in place instead.
 
@@ -66,21 +67,26 @@ def _lowest_priority() -> None:
 
 
 class LookaheadJob(Generic[Result]):
-    """``compute()`` for the batch described by ``key``, queued on the lookahead thread at once and
-    started there once ``start_after`` is set (None: at once); see the module docstring."""
+    """``compute()`` for the batch described by ``key``, queued on the lookahead thread at once, or
+    when ``start_after`` (a gate with ``defer(start)``: the strategy's ``plan_gate``) opens; see the
+    module docstring."""
 
-    def __init__(
-        self, key: Any, compute: Callable[[], Result], name: str, start_after: threading.Event | None = None
-    ) -> None:
+    def __init__(self, key: Any, compute: Callable[[], Result], name: str, start_after: Any = None) -> None:
         self.key = key
         self.name = name
         self.seconds = 0.0  # wall seconds ``compute`` took (known once joined)
-        self._start_after = start_after
-        self._future = _worker().submit(self._run, compute)
+        self._compute = compute
+        self._future: concurrent.futures.Future | None = None
+        if start_after is None:
+            self._queue()
+        else:
+            start_after.defer(self._queue)
+
+    def _queue(self) -> None:
+        if self._future is None:
+            self._future = _worker().submit(self._run, self._compute)
 
     def _run(self, compute: Callable[[], Result]) -> Result:
-        if self._start_after is not None:
-            self._start_after.wait()
         started = time.perf_counter()
         previous = sys.getswitchinterval()  # jobs run one at a time: no other job changes it meanwhile
         sys.setswitchinterval(min(previous, _SWITCH_INTERVAL))
@@ -92,14 +98,11 @@ class LookaheadJob(Generic[Result]):
 
     def join(self) -> Result:
         """Wait for the plan; raise the planner's error here if it failed."""
-        self._start()  # needed now: nothing else is left for the job to wait for
+        self._queue()  # needed now: held back no longer
         return self._future.result()
 
     def wait(self) -> None:
-        """Wait for the job to end, whatever its outcome (training ends: nothing may run on)."""
-        self._start()
-        concurrent.futures.wait([self._future])
-
-    def _start(self) -> None:
-        if self._start_after is not None:
-            self._start_after.set()
+        """Wait for the job to end, whatever its outcome (training ends: nothing may run on); a job
+        still held back never starts."""
+        if self._future is not None:
+            concurrent.futures.wait([self._future])

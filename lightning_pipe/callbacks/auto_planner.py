@@ -288,7 +288,7 @@ class AutoPlanner(L.Callback):
                 next_key,
                 lambda: self._plan(strategy, upcoming_lengths, next_running, budget, profile, next_layout, next_calibration),
                 "AutoPlanner-plan",
-                strategy.plan_applied,
+                strategy.plan_gate,
             )
         self._pending = {
             "batch_idx": batch_idx, "result": result, "looked_ahead": looked_ahead, "running": running,

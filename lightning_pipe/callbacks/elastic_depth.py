@@ -178,7 +178,7 @@ class ElasticDepth(L.Callback):
             next_in_window = (batch_idx + 1) % trainer.accumulate_grad_batches != 0
             next_key = self._key(strategy, upcoming, layout, next_in_window)
             self._job = LookaheadJob(
-                next_key, functools.partial(self._decide, next_key), "ElasticDepth-plan", strategy.plan_applied
+                next_key, functools.partial(self._decide, next_key), "ElasticDepth-plan", strategy.plan_gate
             )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -234,7 +234,7 @@ class ElasticRepartition(L.Callback):
             running = plan.candidate.boundaries if decision.migrate else tuple(strategy.boundaries)
             next_key = _PlanKey(model, upcoming_shapes, tuple(running), strategy.schedule, tuple(self._recent))
             self._job = LookaheadJob(
-                next_key, functools.partial(self._plan, next_key), "ElasticRepartition-plan", strategy.plan_applied
+                next_key, functools.partial(self._plan, next_key), "ElasticRepartition-plan", strategy.plan_gate
             )
         self._pending.update(
             batch_idx=batch_idx,

@@ -127,7 +127,7 @@ class MemoryPlanner(L.Callback):
                 found, upcoming = strategy.peek_next_batch()
                 if found:  # solved for this draft: the next batch usually runs the same partition and family
                     ahead = memory.memory_request(upcoming, (batch_idx + 1,), self.budget, self.lengths, draft, **options)
-                    self._job = LookaheadJob(ahead, ahead.solve, "MemoryPlanner-plan", strategy.plan_applied)
+                    self._job = LookaheadJob(ahead, ahead.solve, "MemoryPlanner-plan", strategy.plan_gate)
             return result.plan
 
         strategy.propose(PlanProposal(type(self).__name__, memory=plan_for, priority=self.priority))

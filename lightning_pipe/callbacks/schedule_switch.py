@@ -142,7 +142,7 @@ class ScheduleSwitch(L.Callback):
             boundaries = key.boundaries if stages == len(key.boundaries) - 1 else strategy.default_boundaries(stages)
             ahead = _RankKey(model, upcoming_shapes, tuple(boundaries), schedule)
             self._job = LookaheadJob(
-                ahead, functools.partial(self._rank, strategy, ahead), "ScheduleSwitch-rank", strategy.plan_applied
+                ahead, functools.partial(self._rank, strategy, ahead), "ScheduleSwitch-rank", strategy.plan_gate
             )
         return schedule
 

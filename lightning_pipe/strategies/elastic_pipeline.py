@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -93,7 +92,7 @@ from lightning_pipe.strategies import _lightning_compat as compat
 from lightning_pipe.strategies.context import PipelineContext, PipelineState
 from lightning_pipe.strategies import checkpointing, distributed_checkpoint
 from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
-from lightning_pipe.strategies.plan_merging import PlanApplication, apply_proposals
+from lightning_pipe.strategies.plan_merging import PlanApplication, PlanGate, apply_proposals
 from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
 from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.auto_plan import PlanMode, check_plan_mode, install_auto_planner
@@ -269,9 +268,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._sample_mixing = False
         self.last_outcome = None  # StepOutcome of the latest step on this rank (for the monitor)
         self.step_clock = StepClock()  # the step's parts outside the program (for the monitor)
-        # set once a training batch's plan is applied; a new one per batch (lookahead jobs wait for it);
-        # None until the first batch: the strategy is pickled to spawned ranks, and an event holds a lock
-        self.plan_applied: threading.Event | None = None
+        self.plan_gate = PlanGate()  # opened once a training batch's plan is applied; a new one per batch
         self.last_migration: MigrationReport | None = None
         self.memory = StrategyMemory(  # see strategies/memory.py
             memory_budget, recompute, offload, mlp_chunk_size, optimizer_offload=optimizer_offload
@@ -649,7 +646,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.training:
             self.step_clock.reset()
-            self.plan_applied = threading.Event()
+            self.plan_gate = PlanGate()
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -663,8 +660,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             with self.step_clock.measure("apply"):
                 self.last_application = apply_proposals(self, proposals, batch_idx)
         finally:
-            if self.plan_applied is not None:
-                self.plan_applied.set()  # lookahead jobs of this batch start now
+            self.plan_gate.open()  # lookahead jobs of this batch start now
 
     def apply_plan(self, plan: PipelinePlan) -> MigrationReport:
         """Switch to ``plan`` before the next step, moving units between ranks where ownership changes.

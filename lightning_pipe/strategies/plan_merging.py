@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,32 @@ from lightning_pipe.planning.proposals import MergedPlan, PlanProposal, merge_pr
 from lightning_pipe.runtime.migration import MigrationReport
 
 log = logging.getLogger(__name__)
+
+
+class PlanGate:
+    """Work held back until the current training batch's plan is applied (``strategy.plan_gate``,
+    a new gate per batch): lookahead jobs that planners make while the batch is planned. Started at
+    once, they shared the GIL with the hooks, the plan's broadcast and the migration every rank waits
+    for. Held work is never started if the gate never opens (an error in a hook), so nothing waits
+    on it at exit. Used from the training thread only."""
+
+    def __init__(self) -> None:
+        self._open = False
+        self._held: list[Callable[[], None]] = []
+
+    def defer(self, start: Callable[[], None]) -> None:
+        """``start()`` now if the plan is applied, else when it is."""
+        if self._open:
+            start()
+        else:
+            self._held.append(start)
+
+    def open(self) -> None:
+        """The plan is in place: start what was held, in order."""
+        self._open = True
+        held, self._held = self._held, []
+        for start in held:
+            start()
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import threading
-
     import torch
 
     from lightning_pipe.planning.plan import PipelinePlan
@@ -23,6 +21,7 @@ if TYPE_CHECKING:
     from lightning_pipe.schedules import Program, Schedule
     from lightning_pipe.strategies.costs import StrategyCosts
     from lightning_pipe.strategies.memory import StrategyMemory
+    from lightning_pipe.strategies.plan_merging import PlanGate
 
 __all__ = ["PipelineStrategy"]
 
@@ -43,8 +42,8 @@ class PipelineStrategy(Protocol):
         root_device: this rank's device.
         regrouping: the elastic-depth helper (``strategies/regrouping.py``) with
             ``elastic_depth=True``, else None.
-        plan_applied: set once the current training batch's plan is applied (a new event per
-            batch, None before the first); lookahead jobs made while the batch is planned start after it.
+        plan_gate: opened once the current training batch's plan is applied (a new gate per batch);
+            lookahead jobs made while the batch is planned start then.
     """
 
     boundaries: tuple[int, ...]
@@ -56,7 +55,7 @@ class PipelineStrategy(Protocol):
     last_outcome: Any
     step_clock: StepClock
     regrouping: Any
-    plan_applied: threading.Event | None
+    plan_gate: PlanGate
 
     @property
     def root_device(self) -> torch.device:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 
 import pytest
 
 from lightning_pipe.callbacks._lookahead import LookaheadJob
+from lightning_pipe.strategies.plan_merging import PlanGate
 
 
 def _child(queue) -> None:
@@ -59,11 +61,23 @@ def test_a_job_runs_with_a_short_switch_interval_and_restores_it():
 
 def test_a_job_made_while_a_batch_is_planned_starts_once_its_plan_is_applied():
     """Started at once, a job shared the GIL with the hooks and the plan's broadcast every rank waits
-    for; it waits for the strategy's ``plan_applied`` instead, and a join does not wait for it."""
-    applied, started = threading.Event(), threading.Event()
-    job = LookaheadJob("k", lambda: started.set() or 3, "test", start_after=applied)
+    for; it waits for the strategy's ``plan_gate`` instead, and a join does not wait for it."""
+    gate, started = PlanGate(), threading.Event()
+    job = LookaheadJob("k", lambda: started.set() or 3, "test", start_after=gate)
     assert not started.wait(0.2)  # the plan is not applied: the job has not started
-    applied.set()
+    gate.open()
     assert started.wait(10) and job.join() == 3
-    pending = LookaheadJob("k", lambda: 4, "test", start_after=threading.Event())
-    assert pending.join() == 4  # the training thread needs it now: it starts without the event
+    assert LookaheadJob("k", lambda: 4, "test", start_after=PlanGate()).join() == 4  # needed now: no gate waited for
+    assert LookaheadJob("k", lambda: 5, "test", start_after=gate).join() == 5  # an open gate starts it at once
+
+
+def test_a_job_whose_gate_never_opens_does_not_keep_the_process_alive():
+    """An error in a hook leaves the batch's gate closed; the held job must not block the exit."""
+    code = (
+        "from lightning_pipe.callbacks._lookahead import LookaheadJob\n"
+        "from lightning_pipe.strategies.plan_merging import PlanGate\n"
+        "job = LookaheadJob('k', lambda: 1, 'test', start_after=PlanGate())\n"
+        "job.wait()\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr

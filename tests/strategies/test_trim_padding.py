@@ -166,6 +166,23 @@ def test_a_mean_over_padded_positions_is_detected_and_runs_uncut(tmp_path):
     assert all(r["lengths"] == [None] * 4 for r in records)
 
 
+def test_llama_trained_with_a_lookahead_planner_runs_the_planners_cut_and_stays_exact(tmp_path):
+    """The planner splits the next padded batch while this one trains; the step then runs that split
+    (the same tensors in the container Lightning moved them in), cut to each microbatch's real tokens."""
+    from lightning_pipe.callbacks import ElasticRepartition
+
+    steps = len(LENGTHS)
+    pipelined = fit(
+        lambda: HFCausalLM("llama", layers=4).double(), padded_batches(LENGTHS), _strategy(), devices=2, steps=steps,
+        callbacks=[ElasticRepartition(), RecordMicrobatches(tmp_path / "mb.jsonl")],
+    )
+    reference = fit(lambda: HFCausalLM("llama", layers=4).double(), reference_batches(padded_batches(LENGTHS), 1), steps=steps)
+    assert_same_parameters(pipelined, reference, atol=HF_ATOL)
+    records = _records(tmp_path / "mb.jsonl")
+    assert all(v[0] for v in records[0]["verdicts"].values())
+    assert all(r["lengths"][1:] != [None] * 3 for r in records)  # every batch ran cut
+
+
 def test_a_split_a_planner_made_before_the_verdict_is_not_run(tmp_path):
     """A lookahead planner splits the next batch (cut to its real tokens) while the first batch has
     not been checked yet; the step reuses such splits (the same tensors in a new container), so
