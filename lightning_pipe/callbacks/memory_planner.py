@@ -106,6 +106,14 @@ class MemoryPlanner(L.Callback):
                 return solve_for(draft)
 
         def solve_for(draft: PipelinePlan) -> MemoryPlan:
+            if not memory.plans_here and memory.profile is not None:
+                # the other ranks only receive the plan: the request is the planning rank's to build (the
+                # first one probes the profile, a collective every rank joins)
+                with strategy.step_clock.measure("plan_sync"):
+                    result = memory.share_plan(None)
+                self.results.append(result)
+                self.looked_ahead.append(False)
+                return result.plan
             request = memory.memory_request(batch, (batch_idx,), self.budget, self.lengths, draft, **options)
             job, self._job = self._job, None
             solved = job.join() if job is not None and job.key == request else None

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import torch
@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe.planning.chunk_memory import ChunkMemory, chunk_memory, chunk_shapes
 from lightning_pipe.planning.cost_model import MicrobatchShape
+from lightning_pipe.planning.memory_lowering import lower_memory_plan
 from lightning_pipe.planning.memory_model import (
     FULL,
     KEEP_ATTENTION,
@@ -35,11 +36,8 @@ from lightning_pipe.planning.memory_model import (
     fit_linear,
     parse_size,
 )
-from lightning_pipe.planning.memory_lowering import lower_memory_plan
 from lightning_pipe.planning.memory_planner import MemoryPlanResult, plan_memory
 from lightning_pipe.planning.plan import PipelinePlan
-from lightning_pipe.runtime.memory import DEFAULT_MLP_NAMES, MemoryRuntime
-from lightning_pipe.runtime.memory_accounting import StepMemory
 from lightning_pipe.profiling.memory_profile import (
     ProbeRecord,
     gather_records,
@@ -47,14 +45,16 @@ from lightning_pipe.profiling.memory_profile import (
     probe_microbatches,
     sequence_lengths,
 )
+from lightning_pipe.runtime import collectives
+from lightning_pipe.runtime._torch_compat import record_found_inf, tree_flatten
+from lightning_pipe.runtime.memory import DEFAULT_MLP_NAMES, MemoryRuntime
+from lightning_pipe.runtime.memory_accounting import StepMemory
 from lightning_pipe.runtime.optimizer_offload import StageOptimizers, StageStep
 from lightning_pipe.runtime.packing import PackingPlan
 from lightning_pipe.schedules import validate
 from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
 from lightning_pipe.schedules.ir import Program
-from lightning_pipe.runtime import collectives
 from lightning_pipe.strategies.context import PipelineContext
-from lightning_pipe.runtime._torch_compat import record_found_inf, tree_flatten
 
 log = logging.getLogger(__name__)
 
@@ -476,8 +476,9 @@ class StrategyMemory:
         """Whether this rank solves its pipeline's memory plans (the pipeline's first rank)."""
         return self.context.global_rank == self.context.layout.pipeline_ranks()[0]
 
-    def share_plan(self, request: MemoryRequest, solved: MemoryPlanResult | None = None) -> MemoryPlanResult:
-        """The pipeline's first rank solves ``request`` (or takes ``solved``, solved ahead), every rank gets it."""
+    def share_plan(self, request: MemoryRequest | None, solved: MemoryPlanResult | None = None) -> MemoryPlanResult:
+        """The pipeline's first rank solves ``request`` (or takes ``solved``, solved ahead), every rank gets it
+        (``request`` is read on the first rank only)."""
         first = self.context.layout.pipeline_ranks()[0]
         result = None
         if self.plans_here:  # one rank decides: the MILP's time limit may end differently elsewhere
