@@ -38,8 +38,10 @@ Run from the repository root (about one and a half minutes on 2 cores):
 default 1f1b) N rounds, rotating the order every round, and prints each round's throughput ratios
 and their medians, and the CPU time per step of every rank. ``--breakdown`` adds the
 ``PipelineMonitor`` to the lightning-pipe runs and prints where rank 0's step went (compute,
-receive waits, sends, the executor between actions, everything outside the program); the monitor
-gathers per-rank timings every step, which costs a little of the throughput it reports.
+receive waits, sends, the executor between actions, everything outside the program) and the compute
+of each kind of action on both ranks (``F``, ``B``; ``I`` and ``W`` for zero-bubble families: what the
+split backward costs against ``B``); the monitor gathers per-rank timings every step, which costs a
+little of the throughput it reports.
 """
 
 import argparse
@@ -90,6 +92,7 @@ class RankResult:
     final_loss: float
     breakdown: dict = field(default_factory=dict)
     cpu_seconds: list[float] = field(default_factory=list)
+    kind_compute: dict = field(default_factory=dict)  # --breakdown: compute per action kind, all ranks
 
 
 def peak_rss_bytes() -> int:
@@ -331,6 +334,9 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
             if monitor is not None and monitor.history:
                 timed = monitor.history[args.warmup :]
                 outcome.breakdown = {k: statistics.median(r.time_s[k] for r in timed) for k in timed[0].time_s}
+                outcome.kind_compute = {
+                    k: statistics.median(r.kind_compute_s.get(k, 0.0) for r in timed) for k in timed[0].kind_compute_s
+                }
             write(out, outcome)
 
     monitor = None
@@ -517,6 +523,7 @@ def run_pairs(args: argparse.Namespace, load_before: float) -> None:
     entries = [None, *args.schedules]  # None: torch's Schedule1F1B
     ratios: dict[str, list[float]] = {schedule: [] for schedule in args.schedules}
     breakdowns: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
+    kinds: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
     cpu: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as out:
         for round_ in range(args.pairs):
@@ -534,6 +541,7 @@ def run_pairs(args: argparse.Namespace, load_before: float) -> None:
                 name = schedule or "torch-1f1b"
                 if schedule is not None:
                     breakdowns[schedule] += [r.breakdown for r in results if r.breakdown and r.rank == 0]
+                    kinds[schedule] += [r.kind_compute for r in results if r.kind_compute and r.rank == 0]
                 for r in results:
                     cpu.setdefault((name, r.rank), []).append(statistics.median(r.cpu_seconds))
             line = ", ".join(f"{s or 'torch-1f1b'} {throughput[s]:,.0f}" for s in entries)
@@ -554,6 +562,10 @@ def run_pairs(args: argparse.Namespace, load_before: float) -> None:
             print(f"\nlightning-pipe {schedule}, rank 0, median seconds per step (of the rounds' medians):")
             for part in found[0]:
                 print(f"  {part:16s} {statistics.median(b[part] for b in found) * 1e3:8.2f} ms")
+    for schedule, found in kinds.items():
+        if found:  # a split backward's I + W against a full backward's B
+            parts = ", ".join(f"{k} {statistics.median(f.get(k, 0.0) for f in found) * 1e3:.1f}" for k in sorted(found[0]))
+            print(f"lightning-pipe {schedule}, compute per action kind, both ranks, ms per step: {parts}")
 
 
 if __name__ == "__main__":

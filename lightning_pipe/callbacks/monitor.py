@@ -12,6 +12,9 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
   framework time between actions); under elastic depth the program is the layout's, one action
   list per device (the all-reduce of a stage's replicas is not simulated),
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
+* ``pipeline/compute/{kind}_s``: compute time of each kind of action (``F``, ``B``, and for
+  zero-bubble families ``I`` and ``W``) summed over the pipeline's ranks: what a split backward
+  costs (``I + W``) against the ``B`` of a family that does not split,
 * ``pipeline/time/{part}_s``: where the first rank's step went (they sum to ``step_s``): its
   ``compute`` actions, blocked in receives (``wait``), posting sends (``send``),
   ``between_actions`` (the executor's own work), and outside the program the strategy's measured
@@ -47,14 +50,14 @@ also written to ``pipeline_steps.jsonl``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import resource
-import sys
 import statistics
+import sys
 import time
-import dataclasses
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -98,6 +101,7 @@ class StepSummary:
     time_s: dict[str, float] = field(default_factory=dict)
     plan_background_s: float = 0.0
     stage_compute_s: dict[int, float] = field(default_factory=dict)
+    kind_compute_s: dict[str, float] = field(default_factory=dict)  # per action kind (F, B, I, W), all ranks
     migrated_bytes: int = 0
     recomputed_blocks: int = 0
     offloaded_blocks: int = 0
@@ -361,6 +365,7 @@ class PipelineMonitor(L.Callback):
             "pipeline/offloaded_blocks": float(summary.offloaded_blocks),
         }
         metrics.update({f"pipeline/stage{s}_compute_s": t for s, t in summary.stage_compute_s.items()})
+        metrics.update({f"pipeline/compute/{kind}_s": t for kind, t in summary.kind_compute_s.items()})
         metrics.update({f"pipeline/time/{part}_s": t for part, t in summary.time_s.items()})
         metrics.update({f"pipeline/boundary{k}": float(b) for k, b in enumerate(summary.boundaries)})
         metrics.update({f"pipeline/width{k}": float(w) for k, w in enumerate(summary.widths or ())})
@@ -374,9 +379,11 @@ class PipelineMonitor(L.Callback):
     def _summarize(self, strategy: PipelineStrategy, reports: list[RankReport], step: int, step_s: float, tokens: int) -> StepSummary:
         events, makespan, busy = measured_step(reports)
         stage_compute: dict[int, float] = {}
+        kind_compute: dict[str, float] = {}
         for e in events:
             if e.action.type in _COMPUTE:
                 stage_compute[e.action.stage] = stage_compute.get(e.action.stage, 0.0) + e.duration
+                kind_compute[e.action.type.value] = kind_compute.get(e.action.type.value, 0.0) + e.duration
         bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan > 0 else 0.0
         layout_widths = getattr(strategy.program, "widths", None)  # a LayoutProgram: one action list per device
         simulated = simulate_measured(events, strategy.program) if events else None
@@ -391,6 +398,7 @@ class PipelineMonitor(L.Callback):
             bubble_ratio=bubble,
             simulated_bubble_ratio=simulated.bubble_ratio if simulated is not None else 0.0,
             stage_compute_s=dict(sorted(stage_compute.items())),
+            kind_compute_s=kind_compute,
             migrated_bytes=sum(r.migrated_bytes for r in reports),
             recomputed_blocks=recomputed,
             offloaded_blocks=offloaded,

@@ -46,7 +46,11 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
         assert sum(values[k] for values in parts.values()) == pytest.approx(step_s[k], rel=1e-6)
     assert all(c > 0 for c in parts["compute"]) and all(o > 0 for o in parts["outside_program"])
     assert all(t > 0 for p in ("prepare", "share_outcome", "optimizer") for t in parts[p])
+    stages = [a + b for a, b in zip(logged(tmp_path, "pipeline/stage0_compute_s"), logged(tmp_path, "pipeline/stage1_compute_s"))]
     assert all(t > 0 for t in logged(tmp_path, "pipeline/stage0_compute_s") + logged(tmp_path, "pipeline/stage1_compute_s"))
+    forward, backward = logged(tmp_path, "pipeline/compute/F_s"), logged(tmp_path, "pipeline/compute/B_s")
+    assert all(f > 0 and b > 0 for f, b in zip(forward, backward))
+    assert [f + b for f, b in zip(forward, backward)] == pytest.approx(stages, rel=1e-9)  # the same actions, by kind
     assert all(t > 0 for t in logged(tmp_path, "pipeline/tokens_per_s"))
     assert logged(tmp_path, "pipeline/rank1_peak_memory_bytes")[0] > 0
     steps = [json.loads(line) for line in (tmp_path / "pipeline_steps.jsonl").read_text().splitlines()]
@@ -54,6 +58,19 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
     pictures = sorted(p.name for p in tmp_path.glob("pipeline_timeline_step*.png"))
     assert pictures == ["pipeline_timeline_step2.png", "pipeline_timeline_step4.png"]
     assert (tmp_path / pictures[0]).stat().st_size > 10_000
+
+
+def test_monitor_logs_what_a_split_backward_costs(tmp_path):
+    """Under zero-bubble the compute splits into F, I and W (no B), and adds up to the stages' compute."""
+    batches = token_batches(2, batch_size=4, lengths=[9, 13])
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule="zb_h1", start_method=START_METHOD)
+    monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=0)
+    fit(lambda: TinyGPT(layers=4).double(), batches, strategy, devices=2, steps=2, log_dir=tmp_path, callbacks=[monitor])
+
+    kinds = {kind: logged(tmp_path, f"pipeline/compute/{kind}_s") for kind in ("F", "I", "W", "B")}
+    assert kinds["B"] == [] and all(len(kinds[k]) == 2 and all(t > 0 for t in kinds[k]) for k in "FIW")
+    stages = [a + b for a, b in zip(logged(tmp_path, "pipeline/stage0_compute_s"), logged(tmp_path, "pipeline/stage1_compute_s"))]
+    assert [f + i + w for f, i, w in zip(kinds["F"], kinds["I"], kinds["W"])] == pytest.approx(stages, rel=1e-9)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv"])
