@@ -85,6 +85,21 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str, 
         dist.destroy_process_group()
 
 
+def _reference(lengths: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Gradients and per-microbatch losses of the same microbatches in one process."""
+    reference = _model()
+    reference.log = lambda *args, **kwargs: None
+    losses = torch.stack([reference.training_step(mb, 0) for mb in _microbatches(lengths)])
+    losses.sum().backward()
+    return {n: p.grad for n, p in reference.named_parameters()}, losses.detach()
+
+
+def _assert_same_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("lengths", [LENGTHS, [7] * 4], ids=["own-lengths", "same-shapes-received-early"])
 def test_variable_length_microbatches_match_single_process(tmp_path, lengths):
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "1f1b", lengths), nprocs=2, join=True)
@@ -92,25 +107,10 @@ def test_variable_length_microbatches_match_single_process(tmp_path, lengths):
     # the first stage receives every gradient early; the second every activation but the first
     assert [parts[0]["early"], parts[1]["early"]] == ([4, 3] if len(set(lengths)) == 1 else [4, 0])
 
-    reference = _model()
-    reference.log = lambda *args, **kwargs: None
-    losses = [reference.training_step(mb, 0) for mb in _microbatches(lengths)]
-    torch.stack(losses).sum().backward()
-
-    got = parts[0]["grads"] | parts[1]["grads"]
-    expected = {n: p.grad for n, p in reference.named_parameters()}
-    assert got.keys() == expected.keys()
-    for name, grad in expected.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-12, rtol=0)
+    expected, losses = _reference(lengths)
+    _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], expected)
     assert sorted(parts[1]["losses"]) == list(range(len(lengths)))
-    torch.testing.assert_close(torch.stack([parts[1]["losses"][i] for i in range(4)]), torch.stack(losses).detach())
-
-
-def _reference_gradients(lengths: list[int]) -> dict[str, torch.Tensor]:
-    reference = _model()
-    reference.log = lambda *args, **kwargs: None
-    torch.stack([reference.training_step(mb, 0) for mb in _microbatches(lengths)]).sum().backward()
-    return {n: p.grad for n, p in reference.named_parameters()}
+    torch.testing.assert_close(torch.stack([parts[1]["losses"][i] for i in range(4)]), losses)
 
 
 def test_an_input_gradient_pass_followed_at_once_by_its_weight_pass_runs_as_one_backward(tmp_path):
@@ -129,8 +129,4 @@ def test_an_input_gradient_pass_followed_at_once_by_its_weight_pass_runs_as_one_
         assert {(stage, mb) for stage, mb, full in part["backwards"] if full} == adjacent
         fused_somewhere |= bool(adjacent) and len(adjacent) < len(inputs)
     assert fused_somewhere  # the program has both kinds of I, so both paths ran
-    got = parts[0]["grads"] | parts[1]["grads"]
-    expected = _reference_gradients(LENGTHS)
-    assert got.keys() == expected.keys()
-    for name, grad in expected.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-12, rtol=0)
+    _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], _reference(LENGTHS)[0])
