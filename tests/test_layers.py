@@ -243,7 +243,7 @@ UPSTREAM = ("torch", "lightning", "pytorch_lightning", "torchmetrics")
 # private attributes of upstream objects we know we use (a name on an arbitrary object cannot be told
 # apart from our own ``obj._x`` by the AST alone)
 KNOWN_PRIVATE_ATTRIBUTES = frozenset(
-    {"_parameters", "_buffers", "_schema", "_base", "_per_optimizer_states", "_input_metadata", "_skip_backward"}
+    {"_parameters", "_buffers", "_schema", "_base", "_per_optimizer_states", "_input_metadata", "_skip_backward", "_version"}
     | {"_update_count", "_copy_state_dict", "_forward_cache", "_to_sync", "_should_unsync", "_computed", "_reduce_states"}
 )
 

@@ -15,9 +15,10 @@ A job created while the strategy plans a batch (its callbacks' ``on_train_batch_
 plan's application) is queued only once that plan is applied (``start_after``, the strategy's
 ``plan_gate``): started at once, it shared the GIL with the hooks, the plan's broadcast and the
 migration that every rank waits for. Held back rather than queued and blocked, it keeps no thread
-waiting when the gate never opens (an error in a hook), which would hang the process at exit. On ``bench_planning``'s chained planners, delaying the jobs'
-start by 20 ms halved the ranks' wait at the memory plan's broadcast (4.9 to 2.8 and 1.2 ms, one
-invocation each); the gate starts them as soon as the plan is in place instead.
+waiting when the gate never opens (an error in a hook), which would hang the process at exit. On
+``bench_planning``'s chained planners, delaying the jobs' start by 20 ms halved the ranks' wait at the
+memory plan's broadcast (4.9 to 2.8 and 1.2 ms, one invocation each); the gate starts them as soon as
+the plan is in place instead.
 
 While a job runs, the interpreter's switch interval is 0.2 ms instead of 5 ms (restored after): a
 planner holds the GIL while it runs Python, and the training thread, back from a wait on a message,

@@ -106,15 +106,11 @@ class MemoryPlanner(L.Callback):
                 return solve_for(draft)
 
         def solve_for(draft: PipelinePlan) -> MemoryPlan:
-            if not memory.plans_here and memory.profile is not None:
-                # the other ranks only receive the plan: the request is the planning rank's to build (the
-                # first one probes the profile, a collective every rank joins)
-                with strategy.step_clock.measure("plan_sync"):
-                    result = memory.share_plan(None)
-                self.results.append(result)
-                self.looked_ahead.append(False)
-                return result.plan
-            request = memory.memory_request(batch, (batch_idx,), self.budget, self.lengths, draft, **options)
+            # a rank that only receives the plan leaves its request to the planning rank (every rank builds
+            # the first one: it probes the profile, a collective)
+            request = None
+            if memory.plans_here or memory.profile is None:
+                request = memory.memory_request(batch, (batch_idx,), self.budget, self.lengths, draft, **options)
             job, self._job = self._job, None
             solved = job.join() if job is not None and job.key == request else None
             looked_ahead = solved is not None

@@ -25,6 +25,7 @@ __all__ = [
     "grad_output_count",
     "op_argument_names",
     "record_found_inf",
+    "tensor_version",
     "tensor_registries",
     "tree_flatten",
     "tree_map",
@@ -66,6 +67,18 @@ def grad_output_count(node: Node) -> int:
             "(zero-bubble schedules) needs the number of a node's gradient outputs: update runtime/_torch_compat.py."
         )
     return len(metadata)
+
+
+def tensor_version(tensor: Tensor) -> int:
+    """How many times ``tensor``'s data was changed in place (autograd's counter, the private
+    ``Tensor._version``): a batch whose tensors were edited in place since it was split is split again."""
+    version = getattr(tensor, "_version", None)
+    if version is None:
+        raise RuntimeError(
+            "torch.Tensor has no `_version` in this torch version; lightning-pipe tells a batch edited in place "
+            "from the one it split by it: update runtime/_torch_compat.py."
+        )
+    return version
 
 
 def op_argument_names(op: Any) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from lightning_pipe.runtime._torch_compat import tensor_version
 from lightning_pipe.runtime.padding import Padding, find_padding
 
 BatchDim = Union[int, Mapping[Any, Union[int, None]], Callable[[tuple, Any], Union[int, None]]]
@@ -275,7 +276,7 @@ def batch_contents(value: Any) -> tuple:
     step); a tensor changed in place since (a hook masking tokens) is not. Equal contents mean the
     same batch only while the objects are alive: keep the batch with what is remembered for it."""
     if isinstance(value, Tensor):
-        return ("T", id(value), value._version)
+        return ("T", id(value), tensor_version(value))
     if isinstance(value, _SCALARS):
         return (type(value), value)
     if isinstance(value, Mapping):

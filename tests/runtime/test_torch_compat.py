@@ -179,3 +179,12 @@ def test_function_modes_removed_takes_only_the_chosen_modes_off_the_stack():
         assert (outer.calls, inner.calls) == (0, 2)
         torch.ones(2) + 1
     assert (outer.calls, inner.calls) == (2, 4)  # back on the stack, in order
+
+
+def test_tensor_version_counts_in_place_changes():
+    tensor = torch.zeros(3)
+    before = compat.tensor_version(tensor)
+    tensor.add_(1)
+    tensor[0] = 5.0
+    assert compat.tensor_version(tensor) == before + 2
+    assert compat.tensor_version(tensor + 1) == 0  # a new tensor
