@@ -17,10 +17,8 @@ Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes only 
 gradients and records the gradients at the nodes where each parameter's subgraph meets the input
 path; ``W`` starts there and computes only the weight gradients. Together they cost one backward's
 FLOPs but more time (the products of ``W`` read the kept gradients back from memory: 15-25% over ``B``
-on CPU), so an ``I`` the program follows at once by its own ``W`` runs as one full backward: nothing
-on this rank could run between them, and the input gradients are sent after the ``W`` anyway. The
-action records keep the program's actions (the ``I`` carries the backward's time, its ``W`` none), so
-the monitor and the simulator read the program that was validated.
+on CPU), so the strategy runs a pair as one ``B`` where splitting it buys nothing
+(``schedules/backward_merging.py``); the executor runs the program it is given.
 
 Memory actions (``RECOMPUTE``, ``OFFLOAD``, ``RELOAD``, written by the strategy from its memory plan)
 are markers: the pair's blocks recompute and offload through the block wrapper armed for that
@@ -174,7 +172,6 @@ class PipelineExecutor:
         self._prefetched: dict[tuple[int, int], PendingReceive] = {}
         self._prefetched_activations: dict[tuple[int, int], PendingReceive] = {}
         self._next_forward = self._next_forwards(program) if self._prefetch_activations(work) else {}
-        self._fused = _adjacent_splits(program.actions[self.pipeline_rank])
         outcome = StepOutcome()
         self.runner.predict_shapes = work.describe_shapes
         me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
@@ -213,10 +210,9 @@ class PipelineExecutor:
         elif kind is ActionType.BACKWARD:
             self._backward(stage, mb, full=True)
         elif kind is ActionType.BACKWARD_INPUT:
-            self._backward(stage, mb, full=(stage, mb) in self._fused)
+            self._backward(stage, mb, full=False)
         elif kind is ActionType.BACKWARD_WEIGHT:
-            if (stage, mb) not in self._fused:  # else its I ran the full backward
-                self._backward_weight(stage, mb)
+            self._backward_weight(stage, mb)
         elif kind is ActionType.SEND_F:
             outputs = self._slot(action).result.outputs
             self.p2p.send(outputs, self._peer(stage + 1, mb), ACTIVATION, stage, mb, describe=self._work.describe_shapes)
@@ -406,16 +402,6 @@ class PipelineExecutor:
         """Global rank that runs ``stage`` for ``microbatch`` (the stage's rank here; a subclass may
         route microbatches to replicas)."""
         return self.pipeline_ranks[self._program.rank_of(stage)]
-
-
-def _adjacent_splits(actions: list[Action]) -> frozenset[tuple[int, int]]:
-    """``(stage, microbatch)`` pairs whose ``I`` the rank's program follows at once by their ``W``."""
-    return frozenset(
-        (a.stage, a.microbatch)
-        for a, b in zip(actions, actions[1:])
-        if a.type is ActionType.BACKWARD_INPUT and b.type is ActionType.BACKWARD_WEIGHT
-        and (a.stage, a.microbatch) == (b.stage, b.microbatch)
-    )
 
 
 def _release(slot: _Slot) -> None:

@@ -13,6 +13,7 @@ with a leading underscore) may change. Typical use::
 
 from . import families as _families  # noqa: F401  (importing registers the built-in families)
 from .auto import AutoScheduleRow, auto_schedule, format_auto_table, render_auto_table, split_stages
+from .backward_merging import merge_backward_pairs, merge_decision_costs, merge_split_backwards, mergeable_pairs
 from .costs import ActionCosts, SplitBackward
 from .dsl import PRESETS, ScheduleSpec, build_spec, parse_spec, register_rule
 from .dsl_engine import RuleContext
@@ -30,10 +31,10 @@ from .ir import Action, ActionType, B, F, I, Program, W
 from .layout_program import LayoutProgram, layout_1f1b
 from .lowering import build_program, forward_only, insert_communication, place_stages
 from .registry import Schedule, available_schedules, register_schedule, unregister_schedule
-from .resolve import resolve_schedule
-from .split_schedules import is_split_placement, split_program
 from .render import render_ascii, render_png, to_chrome_trace, write_chrome_trace
+from .resolve import resolve_schedule
 from .simulate import SimulationResult, TimedAction, simulate
+from .split_schedules import is_split_placement, split_program
 from .text import format_action, format_csv, format_table, parse_action, parse_csv, parse_table
 from .validate import ScheduleError, format_grid, validate
 
@@ -85,6 +86,11 @@ __all__ = [
     "render_png",
     "to_chrome_trace",
     "write_chrome_trace",
+    # zero-bubble pairs run as one backward where splitting buys nothing
+    "mergeable_pairs",
+    "merge_backward_pairs",
+    "merge_split_backwards",
+    "merge_decision_costs",
     # DSL
     "ScheduleSpec",
     "parse_spec",

@@ -37,20 +37,28 @@ from lightning_pipe.model import (
     owned_units,
     shard_module,
 )
+from lightning_pipe.model.attention import KeyValueStore
 from lightning_pipe.model.batch_checks import describe_modules, find_sample_mixing_modules, find_time_major_modules
 from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.model.observation import check_observation, layout_from_observation
 from lightning_pipe.model.units import UnitLayout
-from lightning_pipe.runtime import PipelineExecutor, PointToPoint, ProcessGroups, RankLayout, StepWork, create_process_groups
-from lightning_pipe.runtime import collectives
-from lightning_pipe.runtime.groups import destroy_default_group_at_exit
-from lightning_pipe.runtime.failures import naming_failures
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.chunking import PlannedChunks, chunk_pieces
 from lightning_pipe.planning.microbatching import padded_microbatch_sizes
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.proposals import PlanProposal
+from lightning_pipe.runtime import (
+    PipelineExecutor,
+    PointToPoint,
+    ProcessGroups,
+    RankLayout,
+    StepWork,
+    collectives,
+    create_process_groups,
+)
+from lightning_pipe.runtime.failures import naming_failures
+from lightning_pipe.runtime.groups import destroy_default_group_at_exit
 from lightning_pipe.runtime.loss_weights import (
     DeferredNormalization,
     LossWeights,
@@ -59,7 +67,6 @@ from lightning_pipe.runtime.loss_weights import (
     raw_weight,
     upfront_weights,
 )
-from lightning_pipe.runtime.outcome_channel import OutcomeChannel
 from lightning_pipe.runtime.microbatch import (
     BatchDim,
     MicrobatchPlan,
@@ -69,9 +76,8 @@ from lightning_pipe.runtime.microbatch import (
     plan_microbatches,
     tensor_shapes,
 )
-from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
-from lightning_pipe.runtime.side_runs import quiet_forward
-from lightning_pipe.runtime.step_clock import StepClock
+from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
+from lightning_pipe.runtime.outcome_channel import OutcomeChannel
 from lightning_pipe.runtime.packing import (
     REFUSAL,
     Packer,
@@ -82,26 +88,36 @@ from lightning_pipe.runtime.packing import (
     planned_chunker,
     slicing_difference,
 )
-from lightning_pipe.model.attention import KeyValueStore
-from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
-from lightning_pipe.runtime.migration import MigrationReport, holders_of, migrate, plan_transfers
+from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
+from lightning_pipe.runtime.regroup import LayoutExecutor
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
-from lightning_pipe.schedules import Program, Schedule, forward_only, resolve_schedule, validate
+from lightning_pipe.runtime.side_runs import quiet_forward
+from lightning_pipe.runtime.step_clock import StepClock
+from lightning_pipe.schedules import (
+    Program,
+    Schedule,
+    SplitBackward,
+    forward_only,
+    merge_decision_costs,
+    merge_split_backwards,
+    resolve_schedule,
+    validate,
+)
 from lightning_pipe.schedules.action_rules import check_executable
+from lightning_pipe.schedules.families.sliced_1f1b import sliced_1f1b
 from lightning_pipe.strategies import _lightning_compat as compat
-from lightning_pipe.strategies.context import PipelineContext, PipelineState
 from lightning_pipe.strategies import checkpointing, distributed_checkpoint
-from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
-from lightning_pipe.strategies.plan_merging import PlanApplication, PlanGate, apply_proposals
-from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
-from lightning_pipe.strategies.costs import StrategyCosts
 from lightning_pipe.strategies.auto_plan import PlanMode, check_plan_mode, install_auto_planner
+from lightning_pipe.strategies.context import PipelineContext, PipelineState
+from lightning_pipe.strategies.costs import StrategyCosts
+from lightning_pipe.strategies.distributed_checkpoint import ShardedCheckpoints
 from lightning_pipe.strategies.memory import RecomputeSpec, StrategyMemory
 from lightning_pipe.strategies.optimizer_checks import check_optimizers
+from lightning_pipe.strategies.partitioning import check_budget_holds_stages, initial_partition
+from lightning_pipe.strategies.plan_merging import PlanApplication, PlanGate, apply_proposals
+from lightning_pipe.strategies.precision import install_global_norm_clipping
 from lightning_pipe.strategies.regrouping import Regrouping
 from lightning_pipe.strategies.split_step import SplitPlacement
-from lightning_pipe.runtime.regroup import LayoutExecutor
-from lightning_pipe.strategies.precision import install_global_norm_clipping
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +193,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             (``planning.microbatching.padded_microbatch_sizes``: the least padded positions summed
             plus the heaviest microbatch's once per extra stage). The batch's loss, sum of gradients
             and logged means do not depend on which samples run together.
+        merge_split_backward: for zero-bubble families (``I`` and ``W``), run a pair's ``I`` and ``W`` as one
+            full backward where the program runs the ``W`` right after its ``I`` (any sends between them then
+            leave after it) and the simulator finds that splitting it does not make the step shorter
+            (``schedules.backward_merging``): on CPU a split pair costs 15-23% more than one backward.
+            Exact either way; False runs every split as the family writes it.
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
             writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
             ``ModelParallelStrategy`` and ``FSDPStrategy`` do), so memory and time scale with a rank's
@@ -228,6 +249,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         allow_sample_mixing: bool = False,
         trim_padding: bool = True,
         group_by_length: bool = True,
+        merge_split_backward: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         packing: bool | Packer = False,
@@ -279,6 +301,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._allow_sample_mixing = allow_sample_mixing
         self._trim_padding = trim_padding and not elastic_depth
         self._group_by_length = group_by_length
+        self._merge_split_backward = merge_split_backward
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._shapes_vary = False  # see _lengths_vary
         self._last_shapes: list[list[tuple[int, ...]]] | None = None
@@ -622,12 +645,25 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if plan.widths is not None:
             return self.regrouping.program(plan.widths, plan.num_microbatches)
         schedule = resolve_schedule(plan.schedule)
-        key = (schedule, self.pipeline_parallel_size, plan.num_microbatches)
+        key = (schedule, self.pipeline_parallel_size, plan.num_microbatches, self._split_shares())
         program = self._programs.get(key)
         if program is None:
-            program = schedule.build(self.pipeline_parallel_size, plan.num_microbatches)
-            check_executable(validate(program))
+            program = self._build_program(schedule, plan.num_microbatches)
             self._programs = {**dict(list(self._programs.items())[-15:]), key: program}
+        return program
+
+    def _split_shares(self) -> SplitBackward | None:
+        """What ``I`` and ``W`` cost as shares of ``B``, once a planner measured it (None before)."""
+        estimate = self.costs.estimate
+        return None if estimate is None else estimate.cost_model.split_backward
+
+    def _build_program(self, schedule: Schedule, num_microbatches: int) -> Program:
+        """``schedule``'s validated program for ``num_microbatches``, its split backwards merged where
+        splitting them buys nothing (``merge_split_backward``)."""
+        program = schedule.build(self.pipeline_parallel_size, num_microbatches)
+        check_executable(validate(program))
+        if self._merge_split_backward and program.splits_backward:
+            program = merge_split_backwards(program, merge_decision_costs(program, self._split_shares()))
         return program
 
     def propose(self, proposal: PlanProposal) -> None:
@@ -895,8 +931,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             program = self._short_programs.get(num_microbatches)
             if program is None:
                 try:
-                    program = self.schedule.build(self.pipeline_parallel_size, num_microbatches)
-                    check_executable(validate(program))
+                    program = self._build_program(self.schedule, num_microbatches)
                 except Exception as error:
                     raise ValueError(
                         f"A batch has {num_microbatches} samples, fewer than `num_microbatches={self.num_microbatches}`, "

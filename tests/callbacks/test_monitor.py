@@ -60,17 +60,25 @@ def test_monitor_logs_and_draws_a_real_run(tmp_path):
     assert (tmp_path / pictures[0]).stat().st_size > 10_000
 
 
-def test_monitor_logs_what_a_split_backward_costs(tmp_path):
-    """Under zero-bubble the compute splits into F, I and W (no B), and adds up to the stages' compute."""
+@pytest.mark.parametrize(("schedule", "merge", "kinds_run"), [("zb_h1", False, "FIW"), ("zbv", True, "FBIW")])
+def test_monitor_logs_what_a_split_backward_costs(tmp_path, schedule, merge, kinds_run):
+    """Under zero-bubble the compute splits into F, I and W, plus B for the pairs the strategy merged into
+    one backward (``merge_split_backward``), and adds up to the stages' compute."""
     batches = token_batches(2, batch_size=4, lengths=[9, 13])
-    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule="zb_h1", start_method=START_METHOD)
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, schedule=schedule, merge_split_backward=merge,
+        start_method=START_METHOD,
+    )
     monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=0)
     fit(lambda: TinyGPT(layers=4).double(), batches, strategy, devices=2, steps=2, log_dir=tmp_path, callbacks=[monitor])
 
-    kinds = {kind: logged(tmp_path, f"pipeline/compute/{kind}_s") for kind in ("F", "I", "W", "B")}
-    assert kinds["B"] == [] and all(len(kinds[k]) == 2 and all(t > 0 for t in kinds[k]) for k in "FIW")
-    stages = [a + b for a, b in zip(logged(tmp_path, "pipeline/stage0_compute_s"), logged(tmp_path, "pipeline/stage1_compute_s"))]
-    assert [f + i + w for f, i, w in zip(kinds["F"], kinds["I"], kinds["W"])] == pytest.approx(stages, rel=1e-9)
+    kinds = {kind: logged(tmp_path, f"pipeline/compute/{kind}_s") for kind in "FBIW"}
+    assert all(len(kinds[k]) == 2 and all(t > 0 for t in kinds[k]) for k in kinds_run)
+    assert all(kinds[k] == [] for k in set("FBIW") - set(kinds_run))
+    per_stage = [logged(tmp_path, f"pipeline/stage{s}_compute_s") for s in range(4)]  # zbv: 4 stages, zb_h1: 2
+    stages = [sum(step) for step in zip(*(values for values in per_stage if values))]
+    totals = [sum(kinds[k][step] for k in kinds_run) for step in range(2)]
+    assert totals == pytest.approx(stages, rel=1e-9)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv"])

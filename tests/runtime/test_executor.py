@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks, owned_units, shard_module
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, StepWork
-from lightning_pipe.schedules import resolve_schedule
+from lightning_pipe.schedules import merge_split_backwards, resolve_schedule
 from tests.helpers.models import TinyGPT
 
 LENGTHS = [3, 11, 6, 8]  # one sequence length per microbatch
@@ -64,7 +64,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str, 
         model = _model()
         model.log = lambda *args, **kwargs: None  # no trainer attached
         stack = find_blocks(model)
-        program = resolve_schedule(schedule).build(world, len(LENGTHS))
+        family, _, merged = schedule.partition("+")
+        program = resolve_schedule(family).build(world, len(LENGTHS))
+        program = merge_split_backwards(program) if merged else program
         stages = program.stages_of(rank)
         boundaries = BOUNDARIES if program.num_stages == 2 else tuple(range(program.num_stages + 1))  # 1 block a stage
         shard_module(model, analyze_units(model, stack), owned_units(boundaries, stages), torch.device("cpu"))
@@ -113,20 +115,15 @@ def test_variable_length_microbatches_match_single_process(tmp_path, lengths):
     torch.testing.assert_close(torch.stack([parts[1]["losses"][i] for i in range(4)]), losses)
 
 
-def test_an_input_gradient_pass_followed_at_once_by_its_weight_pass_runs_as_one_backward(tmp_path):
-    """ZB-V on 2 ranks: where the program runs a pair's W right after its I, the I runs the full
-    backward (its W then does nothing); every other I stays split. Gradients equal one process's."""
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "zbv", LENGTHS), nprocs=2, join=True)
+def test_a_program_with_merged_pairs_runs_each_b_whole_and_each_i_split(tmp_path):
+    """ZB-V on 2 ranks with some pairs merged into one B (``merge_split_backwards``): every B runs one
+    full backward, every I the input-gradient pass only. Gradients equal one process's."""
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "zbv+merged", LENGTHS), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    fused_somewhere = False
+    kinds = set()
     for part in parts:
-        actions = part["actions"]
-        adjacent = {
-            (a[1], a[2]) for a, b in zip(actions, actions[1:]) if a[0] == "I" and b[0] == "W" and a[1:] == b[1:]
-        }
-        inputs = [(stage, mb) for kind, stage, mb in actions if kind == "I"]
-        assert [(stage, mb) for stage, mb, _ in part["backwards"]] == inputs  # every I ran, in order
-        assert {(stage, mb) for stage, mb, full in part["backwards"] if full} == adjacent
-        fused_somewhere |= bool(adjacent) and len(adjacent) < len(inputs)
-    assert fused_somewhere  # the program has both kinds of I, so both paths ran
+        backwards = [(kind == "B", stage, mb) for kind, stage, mb in part["actions"] if kind in ("B", "I")]
+        assert [(full, stage, mb) for stage, mb, full in part["backwards"]] == backwards
+        kinds |= {kind for kind, _, _ in part["actions"]}
+    assert {"B", "I", "W"} <= kinds  # both paths ran
     _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], _reference(LENGTHS)[0])

@@ -15,20 +15,22 @@ STEPS = 3
 
 
 @pytest.mark.parametrize(
-    ("schedule", "pp", "layers"),
+    ("schedule", "pp", "layers", "merge"),
     [
-        ("interleaved_1f1b", 2, 4),  # 2 model chunks per rank, circular placement
-        ("looped_bfs", 2, 4),
-        ("zb_h1", 2, 4),  # split backward: I then W
-        ("zbv", 2, 4),  # V placement: rank 0 runs the first and the last stage
-        ("zb_h1", 4, 4),
+        ("interleaved_1f1b", 2, 4, True),  # 2 model chunks per rank, circular placement
+        ("looped_bfs", 2, 4, True),
+        ("zb_h1", 2, 4, True),  # split backward: I then W
+        ("zbv", 2, 4, True),  # V placement: rank 0 runs the first and the last stage; pairs merged into B
+        ("zbv", 2, 4, False),  # every pair split as the family writes it
+        ("zb_h1", 4, 4, True),
     ],
 )
-def test_family_parity(tmp_path, schedule, pp, layers):
+def test_family_parity(tmp_path, schedule, pp, layers, merge):
     batches = token_batches(STEPS, batch_size=4, lengths=[9, 5, 13])
     make = lambda: TinyGPT(layers=layers).double()  # noqa: E731
     strategy = ElasticPipelineStrategy(
-        pipeline_parallel_size=pp, num_microbatches=4, schedule=schedule, start_method=START_METHOD
+        pipeline_parallel_size=pp, num_microbatches=4, schedule=schedule, merge_split_backward=merge,
+        start_method=START_METHOD,
     )
     pipelined = fit(make, batches, strategy, devices=pp, steps=STEPS)
     reference = fit(make, reference_batches(batches, 1), steps=STEPS)

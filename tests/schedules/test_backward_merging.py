@@ -1,0 +1,100 @@
+"""Zero-bubble pairs merged into one B: which pairs may merge, what the merged program is, and that
+the merge decision never makes the simulated step longer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_pipe.schedules import (
+    ActionType,
+    SplitBackward,
+    merge_backward_pairs,
+    merge_decision_costs,
+    merge_split_backwards,
+    mergeable_pairs,
+    resolve_schedule,
+    simulate,
+)
+
+SENDS = {ActionType.SEND_F, ActionType.SEND_B}
+SIZES = [("zbv", 2, 4), ("zbv", 2, 8), ("zbv", 4, 8), ("zb_h1", 2, 4), ("zb_h1", 4, 8), ({"preset": "v_zb"}, 2, 6)]
+# what I and W cost on CPU (docs/schedules.md: a split pair 1.15-1.23x one B), and the ideal halves
+MEASURED = SplitBackward(0.62, 0.58, 0.0, 1.0)
+
+
+def _program(name, ranks, microbatches):
+    return resolve_schedule(name).build(ranks, microbatches)
+
+
+def _positions(program):
+    return {(a.type, a.stage, a.microbatch): (rank, i) for rank, row in enumerate(program.actions) for i, a in enumerate(row)}
+
+
+@pytest.mark.parametrize(("name", "ranks", "microbatches"), SIZES)
+def test_mergeable_pairs_are_exactly_those_with_only_sends_between_their_i_and_w(name, ranks, microbatches):
+    program = _program(name, ranks, microbatches)
+    where = _positions(program)
+    candidates = set(mergeable_pairs(program))
+    for (kind, stage, mb), (rank, i) in where.items():
+        if kind is not ActionType.BACKWARD_INPUT:
+            continue
+        w_rank, j = where[(ActionType.BACKWARD_WEIGHT, stage, mb)]
+        between = program.actions[rank][i + 1 : j]
+        only_sends = w_rank == rank and j > i and all(a.type in SENDS for a in between)
+        assert ((stage, mb) in candidates) == only_sends, (stage, mb, between)
+
+
+def test_a_merged_pair_is_one_b_where_its_i_was_and_everything_else_keeps_its_order():
+    program = _program("zbv", 2, 4)
+    pairs = mergeable_pairs(program)[::2]
+    merged = merge_backward_pairs(program, pairs)
+    for before, after in zip(program.actions, merged.actions):
+        expected = [
+            dataclasses.replace(a, type=ActionType.BACKWARD) if a.type is ActionType.BACKWARD_INPUT and (a.stage, a.microbatch) in pairs else a
+            for a in before
+            if not (a.type is ActionType.BACKWARD_WEIGHT and (a.stage, a.microbatch) in pairs)
+        ]
+        assert list(after) == expected
+    assert sum(a.type is ActionType.BACKWARD for row in merged.actions for a in row) == len(pairs)
+
+
+def test_merging_a_pair_with_a_receive_between_is_refused():
+    program = _program("zbv", 2, 4)
+    all_pairs = {(a.stage, a.microbatch) for row in program.actions for a in row if a.type is ActionType.BACKWARD_INPUT}
+    blocked = sorted(all_pairs - set(mergeable_pairs(program)))
+    assert blocked
+    with pytest.raises(ValueError, match="only pairs whose W follows their I"):
+        merge_backward_pairs(program, blocked[:1])
+
+
+@pytest.mark.parametrize("split", [None, MEASURED], ids=["ideal", "measured"])
+@pytest.mark.parametrize(("name", "ranks", "microbatches"), SIZES)
+def test_the_merge_decision_never_makes_the_simulated_step_longer_nor_holds_more(name, ranks, microbatches, split):
+    program = _program(name, ranks, microbatches)
+    costs = merge_decision_costs(program, split)
+    merged = merge_split_backwards(program, costs)
+    before, after = simulate(program, costs), simulate(merged, costs)
+    assert after.makespan <= before.makespan * (1 + 1e-9)
+    assert all(a <= b + 1e-9 for a, b in zip(after.peak_memory, before.peak_memory))
+    assert merge_split_backwards(program, costs) == merged  # every rank builds the same program
+    if split is None:  # ideal halves: merges only where nothing waits longer
+        assert after.makespan == pytest.approx(before.makespan)
+
+
+def test_where_a_split_costs_more_than_b_merging_shortens_zbv_and_keeps_the_bubble_fillers():
+    """The bench's shape (2 ranks, 4 microbatches): merged, the step is shorter, and some pairs stay
+    split (the ones whose deferred W fills a wait), so it is not simply 1F1B on a V."""
+    program = _program("zbv", 2, 4)
+    costs = merge_decision_costs(program, MEASURED)
+    merged = merge_split_backwards(program, costs)
+    assert simulate(merged, costs).makespan < simulate(program, costs).makespan * 0.97
+    assert merged.splits_backward
+    everything = merge_backward_pairs(program, mergeable_pairs(program))
+    assert simulate(merged, costs).makespan < simulate(everything, costs).makespan
+
+
+def test_programs_without_a_split_backward_come_back_unchanged():
+    program = _program("1f1b", 2, 4)
+    assert merge_split_backwards(program) is program
