@@ -158,8 +158,13 @@ class ScheduleSwitch(L.Callback):
             schedules = [resolve_schedule(spec) for spec in specs]
             return [s for s in schedules if ranks * s.stages_per_rank <= model.num_blocks]
 
-        rows = auto_schedule(stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=fitting(self.candidates))
-        running = auto_schedule(stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=[key.running])
+        merging = {"merge_split_backward": strategy.merges_split_backward, "split_backward": model.split_backward}
+        rows = auto_schedule(
+            stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=fitting(self.candidates), **merging
+        )
+        running = auto_schedule(
+            stage_costs, ranks, self.memory_limit, num_microbatches=len(shapes), candidates=[key.running], **merging
+        )
         if not rows or not running or not rows[0].fits:
             return key.running, rows
         best, now = rows[0], running[0]

@@ -13,7 +13,13 @@ with a leading underscore) may change. Typical use::
 
 from . import families as _families  # noqa: F401  (importing registers the built-in families)
 from .auto import AutoScheduleRow, auto_schedule, format_auto_table, render_auto_table, split_stages
-from .backward_merging import merge_backward_pairs, merge_decision_costs, merge_split_backwards, mergeable_pairs
+from .backward_merging import (
+    merge_backward_pairs,
+    merge_decision_costs,
+    merge_split_backwards,
+    mergeable_pairs,
+    merged_program,
+)
 from .costs import ActionCosts, SplitBackward
 from .dsl import PRESETS, ScheduleSpec, build_spec, parse_spec, register_rule
 from .dsl_engine import RuleContext
@@ -91,6 +97,7 @@ __all__ = [
     "merge_backward_pairs",
     "merge_split_backwards",
     "merge_decision_costs",
+    "merged_program",
     # DSL
     "ScheduleSpec",
     "parse_spec",

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .costs import ActionCosts
+from .backward_merging import merged_program
+from .costs import ActionCosts, SplitBackward
 from .dsl import build_spec, parse_spec
 from .ir import Program
 from .registry import Schedule
@@ -175,6 +176,8 @@ def auto_schedule(
     candidates: Iterable[Any] | None = None,
     num_blocks: int | None = None,
     attention_share: float | None = None,
+    merge_split_backward: bool = False,
+    split_backward: SplitBackward | None = None,
 ) -> list[AutoScheduleRow]:
     """Simulate candidate schedules and rank them: those that fit first, then by makespan and memory.
 
@@ -196,6 +199,10 @@ def auto_schedule(
         attention_share: the fraction of a block's forward (and backward) spent in the attention
             core, which HelixPipe runs on other ranks (the rest: ``HELIX_PRE_SHARE`` pre-attention, the
             remainder post-attention); per-stage costs do not tell it, so helix is priced only with it.
+        merge_split_backward: price zero-bubble families by the program the strategy runs with its
+            ``merge_split_backward``: pairs merged into one ``B`` as :func:`merged_program` decides with
+            ``split_backward`` (the shares the strategy's cost model measured; None: ideal halves).
+        split_backward: see ``merge_split_backward``.
 
     Returns:
         One row per distinct candidate that builds; candidates that deadlock or do not apply to
@@ -234,6 +241,8 @@ def auto_schedule(
                 program = split_program(schedule, num_ranks, m, num_blocks)
             else:
                 program = _build(schedule, num_ranks, m)
+                if merge_split_backward and program.splits_backward:
+                    program = merged_program(schedule, num_ranks, m, split_backward)
         except (ScheduleError, ValueError):
             continue
         key = (program.stage_to_rank, program.actions)

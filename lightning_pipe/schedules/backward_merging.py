@@ -19,14 +19,16 @@ run a merged or unmerged program against any other, and gradients are the same s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection
 
 from .costs import ActionCosts, SplitBackward
 from .ir import Action, ActionType, Program
+from .registry import Schedule
 from .simulate import simulate
 from .validate import validate
 
-__all__ = ["mergeable_pairs", "merge_backward_pairs", "merge_split_backwards", "merge_decision_costs"]
+__all__ = ["mergeable_pairs", "merge_backward_pairs", "merge_split_backwards", "merge_decision_costs", "merged_program"]
 
 _I, _W, _B = ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT, ActionType.BACKWARD
 _SENDS = frozenset({ActionType.SEND_F, ActionType.SEND_B})
@@ -127,6 +129,17 @@ def merge_split_backwards(program: Program, costs: ActionCosts | None = None) ->
         options.append(_split_greedily(candidates, makespan))
     time, merged = min(options, key=lambda option: (option[0] * (1 - 1e-9), -len(option[1])))
     return merge_backward_pairs(program, merged) if time <= original * (1 + 1e-9) else program
+
+
+@functools.lru_cache(maxsize=64)
+def merged_program(
+    schedule: Schedule, num_ranks: int, num_microbatches: int, split: SplitBackward | None = None
+) -> Program:
+    """``schedule``'s program with its pairs merged as :func:`merge_split_backwards` decides under
+    :func:`merge_decision_costs` with ``split``: the program the strategy runs (``merge_split_backward``),
+    and what a planner that prices a family for it must simulate. Cached: the decision simulates."""
+    program = validate(schedule.build(num_ranks, num_microbatches))
+    return merge_split_backwards(program, merge_decision_costs(program, split))
 
 
 PAIRWISE_LIMIT = 64

@@ -98,8 +98,7 @@ from lightning_pipe.schedules import (
     Schedule,
     SplitBackward,
     forward_only,
-    merge_decision_costs,
-    merge_split_backwards,
+    merged_program,
     resolve_schedule,
     validate,
 )
@@ -663,8 +662,14 @@ class ElasticPipelineStrategy(ParallelStrategy):
         program = schedule.build(self.pipeline_parallel_size, num_microbatches)
         check_executable(validate(program))
         if self._merge_split_backward and program.splits_backward:
-            program = merge_split_backwards(program, merge_decision_costs(program, self._split_shares()))
+            program = merged_program(schedule, self.pipeline_parallel_size, num_microbatches, self._split_shares())
         return program
+
+    @property
+    def merges_split_backward(self) -> bool:
+        """Whether zero-bubble pairs run as one ``B`` where splitting them buys nothing
+        (``merge_split_backward``): planners price a family's merged program then."""
+        return self._merge_split_backward
 
     def propose(self, proposal: PlanProposal) -> None:
         """Propose changes to the next step's plan (from a callback's ``on_train_batch_start``).

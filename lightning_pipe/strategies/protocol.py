@@ -44,6 +44,8 @@ class PipelineStrategy(Protocol):
             ``elastic_depth=True``, else None.
         plan_gate: opened once the current training batch's plan is applied (a new gate per batch);
             lookahead jobs made while the batch is planned start then.
+        merges_split_backward: whether zero-bubble pairs run as one ``B`` where splitting them buys
+            nothing (``schedules.merged_program``); planners then price a family's merged program.
     """
 
     boundaries: tuple[int, ...]
@@ -56,6 +58,7 @@ class PipelineStrategy(Protocol):
     step_clock: StepClock
     regrouping: Any
     plan_gate: PlanGate
+    merges_split_backward: bool
 
     @property
     def root_device(self) -> torch.device:

@@ -8,14 +8,18 @@ import dataclasses
 import pytest
 
 from lightning_pipe.schedules import (
+    ActionCosts,
     ActionType,
     SplitBackward,
+    auto_schedule,
     merge_backward_pairs,
     merge_decision_costs,
     merge_split_backwards,
     mergeable_pairs,
+    merged_program,
     resolve_schedule,
     simulate,
+    split_stages,
 )
 
 SENDS = {ActionType.SEND_F, ActionType.SEND_B}
@@ -98,3 +102,27 @@ def test_where_a_split_costs_more_than_b_merging_shortens_zbv_and_keeps_the_bubb
 def test_programs_without_a_split_backward_come_back_unchanged():
     program = _program("1f1b", 2, 4)
     assert merge_split_backwards(program) is program
+
+
+def test_merged_program_is_the_decision_for_the_family_and_is_built_once():
+    schedule = resolve_schedule("zbv")
+    program = merged_program(schedule, 2, 4, MEASURED)
+    built = schedule.build(2, 4)
+    assert program == merge_split_backwards(built, merge_decision_costs(built, MEASURED))
+    assert merged_program(schedule, 2, 4, MEASURED) is program
+
+
+def test_auto_schedule_prices_the_merged_program_when_the_strategy_merges():
+    """What ScheduleSwitch('auto') ranks with: the program the strategy will run, so a zero-bubble
+    family is not priced at the split it no longer pays."""
+    costs = ActionCosts.uniform(2, 4, forward=1.0, backward=2.0, backward_input=1.24, backward_weight=1.16)
+    plain = {row.label: row for row in auto_schedule(costs, 2, candidates=["zbv", "1f1b"])}
+    merged = {
+        row.label: row
+        for row in auto_schedule(costs, 2, candidates=["zbv", "1f1b"], merge_split_backward=True, split_backward=MEASURED)
+    }
+    schedule = resolve_schedule("zbv")
+    expected = simulate(merged_program(schedule, 2, 4, MEASURED), split_stages(costs, 2)).makespan
+    assert merged["zbv"].makespan == pytest.approx(expected)
+    assert merged["zbv"].makespan < plain["zbv"].makespan
+    assert merged["1f1b"].makespan == plain["1f1b"].makespan
