@@ -352,6 +352,7 @@ class AutoPlanner(L.Callback):
             microbatching=self.microbatching, memory_options=self.memory_options, memory_method=self.memory_method,
             relative_gap=self.relative_gap, partition_time_limit=self.partition_time_limit,
             time_limit=self._time_limit(), padded=layout[0], grouped=layout[1], family_scale=family_scale,
+            merge_split_backward=strategy.merges_split_backward,
         )
 
     def _calibration(self) -> tuple[tuple[tuple[str, float], ...], tuple[str, ...]]:

@@ -82,7 +82,14 @@ from lightning_pipe.planning.microbatching import (
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.plan import PipelinePlan
 from lightning_pipe.planning.split_costs import split_placement_costs
-from lightning_pipe.schedules import Schedule, is_split_placement, resolve_schedule, simulate, split_program
+from lightning_pipe.schedules import (
+    Schedule,
+    is_split_placement,
+    merged_program,
+    resolve_schedule,
+    simulate,
+    split_program,
+)
 from lightning_pipe.schedules.ir import Program
 
 __all__ = [
@@ -145,6 +152,9 @@ class JointConfig:
             the factor (``AutoPlanner``'s measured over predicted steps per family: what the linear
             cost model leaves out, such as the fixed cost of a stage run, differs between families).
             Bounds, gap and ``best_where`` are then in scaled seconds. Unlisted families: 1.
+        merge_split_backward: price zero-bubble families by the program the strategy runs with its
+            ``merge_split_backward``: pairs merged into one ``B`` as ``schedules.merged_program`` decides
+            with the cost model's ``split_backward``.
     """
 
     families: tuple = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b")
@@ -162,6 +172,7 @@ class JointConfig:
     chunkings: tuple[int, ...] = ()
     max_chunk_tokens: int | None = None
     family_scale: tuple[tuple[str, float], ...] = ()
+    merge_split_backward: bool = False
 
     def counts(self, num_ranks: int) -> tuple[int, ...]:
         """The microbatch counts for ``num_ranks`` pipeline ranks."""
@@ -330,7 +341,9 @@ def evaluate_plan(
             shapes = _priced_shapes(lengths, plan.microbatch_sizes, config.padded)
         else:
             shapes = _unsized_shapes(lengths, plan.num_microbatches, num_ranks, config)
-        program = plan.schedule.build(num_ranks, len(shapes))
+        program = _merged_program(plan.schedule, num_ranks, len(shapes), cost_model, config) or plan.schedule.build(
+            num_ranks, len(shapes)
+        )
     limit = math.inf if budget is None else budget
     if not plan_memory_too:
         memory = plan.memory or MemoryPlan()
@@ -550,7 +563,8 @@ def _candidate_groups(
             for shapes, (sizes, mode) in splits.items():
                 if not _runs(schedule, num_ranks, len(sizes)):
                     continue
-                groups.append(search.group(schedule, sizes, mode, shapes))
+                merged = _merged_program(schedule, num_ranks, len(sizes), cost_model, config)
+                groups.append(search.group(schedule, sizes, mode, shapes, program=merged))
         for chunks in chunkings:  # packed (and sliced) chunks, priced by their pieces
             if chunks.is_sliced and schedule.name != "1f1b":
                 continue  # slices run as sliced 1F1B (backward last slice first)
@@ -597,6 +611,21 @@ def _split_placement_candidates(
             plan = PipelinePlan(uniform_partition(cost_model.num_blocks, num_ranks), schedule, count)
             found.append(JointCandidate(plan, EVEN, PLACED, seconds, seconds))
     return found
+
+
+def _merged_program(
+    schedule: Schedule, num_ranks: int, count: int, cost_model: CostModel, config: JointConfig
+) -> Program | None:
+    """The program a zero-bubble family runs when the strategy merges its pairs
+    (``config.merge_split_backward``); None for the family as built."""
+    if not config.merge_split_backward or not _splits_backward(schedule, num_ranks, count):
+        return None
+    return merged_program(schedule, num_ranks, count, cost_model.split_backward)
+
+
+@functools.lru_cache(maxsize=256)
+def _splits_backward(schedule: Schedule, num_ranks: int, count: int) -> bool:
+    return schedule.build(num_ranks, count).splits_backward
 
 
 @functools.lru_cache(maxsize=256)
@@ -782,7 +811,11 @@ def _plan_memory_for(
     num_ranks: int, limit: float | None,
 ) -> tuple[float, MemoryPlan | None]:
     """Simulated seconds of ``plan``'s partition with its fastest memory plan under ``limit`` (inf if none fits)."""
-    program = chunk_program(plan, num_ranks) if plan.chunks is not None else plan.schedule.build(num_ranks, len(shapes))
+    if plan.chunks is not None:
+        program = chunk_program(plan, num_ranks)
+    else:
+        merged = _merged_program(plan.schedule, num_ranks, len(shapes), cost_model, config)
+        program = merged or plan.schedule.build(num_ranks, len(shapes))
     try:
         result = plan_memory(
             program, plan.boundaries, list(shapes), profile, math.inf if limit is None else limit, cost_model=cost_model,

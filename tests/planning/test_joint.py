@@ -185,3 +185,25 @@ def test_a_family_scale_multiplies_that_familys_seconds_and_moves_the_choice():
     assert dearer.step_seconds == pytest.approx(alone.step_seconds, rel=1e-12)
     assert dearer.best_where(schedule=chosen) > dearer.step_seconds
     assert dearer.gap == pytest.approx(0.0, abs=1e-12)
+
+
+def test_with_merged_pairs_a_zero_bubble_family_is_priced_as_the_strategy_runs_it():
+    """``merge_split_backward``: ZB-V's plans are priced at the merged program the strategy runs. Where
+    a split costs more than one backward and microbatches cost alike, that is shorter than as written;
+    the joint search's choice is priced the same way as evaluating its plan."""
+    from lightning_pipe.schedules import SplitBackward, merged_program, resolve_schedule
+
+    model = dataclasses.replace(_model(), split_backward=SplitBackward(0.62, 0.58, 0.0, 1.0))
+    merged_config = JointConfig(merge_split_backward=True)
+    plan = PipelinePlan((0, 2, 4, 6, 8), "zbv", 4)
+    alike = [1024] * 8
+    written, _ = evaluate_plan(model, alike, plan, RANKS, None)
+    merged, _ = evaluate_plan(model, alike, plan, RANKS, None, config=merged_config)
+    assert merged < written * 0.99
+    assert merged_program(resolve_schedule("zbv"), RANKS, 4, model.split_backward).splits_backward  # some stay split
+
+    config = JointConfig(families=("zbv",), microbatch_counts=(4,), microbatching=("even",), merge_split_backward=True)
+    for lengths in (alike, LENGTHS):
+        searched = plan_joint(model, lengths, RANKS, None, config=config)
+        again, _ = evaluate_plan(model, lengths, searched.plan, RANKS, None, config=merged_config, plan_memory_too=False)
+        assert searched.step_seconds == pytest.approx(again, rel=1e-9)
