@@ -14,8 +14,8 @@ timings, memory and plan of every pipeline rank on global rank 0 and logs:
 * ``pipeline/stage{s}_compute_s``: compute time of every stage,
 * ``pipeline/compute/{kind}_s``: compute time of each kind of action (``F``, ``B``, and for
   zero-bubble families ``I`` and ``W``) summed over the pipeline's ranks: what a split backward
-  costs (``I + W``) against the ``B`` of a family that does not split (an ``I`` that its program
-  follows at once by its own ``W`` runs the whole backward and is counted as ``I``),
+  costs (``I + W``) against the ``B`` of a family that does not split (pairs the strategy merged into
+  one backward, ``merge_split_backward``, are counted as ``B``),
 * ``pipeline/time/{part}_s``: where the first rank's step went (they sum to ``step_s``): its
   ``compute`` actions, blocked in receives (``wait``), posting sends (``send``),
   ``between_actions`` (the executor's own work), and outside the program the strategy's measured

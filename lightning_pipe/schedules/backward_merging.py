@@ -8,11 +8,11 @@ because ``W``'s products read back the gradients and activations that ``B`` woul
 (``docs/schedules.md``). Merged, the pair runs as one ``B`` at ``I``'s place and its sends leave after
 it, later by ``W``'s time, which matters only where the receiving rank waits for them.
 
-:func:`merge_split_backwards` decides per pair with the simulator: it merges every pair whose ``W``
-follows its ``I`` with only sends between, then splits again, one at a time, the merged pairs whose
-split makes the simulated step shorter. The result is never slower than the program it started from
-under the same costs (checked), and holds no more memory (a merged pair frees its activations at ``B``,
-not at ``W``). The merge changes only the order of work on one rank, never a message: every rank may
+:func:`merge_split_backwards` decides which of the pairs whose ``W`` follows its ``I`` with only sends
+between to merge, with the simulator (two greedy searches, see there). The result is never slower than
+the program it started from under the same costs (checked), and holds no more memory (a merged pair
+frees its activations at ``B``, not at ``W``). :func:`merged_program` is the decision for a family under
+uniform microbatch costs: what the strategy runs and the planners price. The merge changes only the order of work on one rank, never a message: every rank may
 run a merged or unmerged program against any other, and gradients are the same sums either way.
 """
 
