@@ -46,6 +46,7 @@ from lightning_pipe.planning.migration import estimate_migration
 from lightning_pipe.planning.partition import PartitionPlan, evaluate_partition, plan_partition
 from lightning_pipe.planning.proposals import PlanProposal
 from lightning_pipe.planning.trigger import StepPrediction, TriggerConfig, TriggerDecision, decide_repartition
+from lightning_pipe.schedules import merged_if_split
 
 if TYPE_CHECKING:
     from lightning_pipe.strategies import PipelineStrategy
@@ -351,20 +352,25 @@ class ElasticRepartition(L.Callback):
         model = key.model
         started = time.perf_counter()
         ranks = strategy.pipeline_parallel_size
+        # the program the strategy runs: a zero-bubble family with its pairs merged (merge_split_backward)
+        merged = None
+        if strategy.merges_split_backward:
+            merged = merged_if_split(key.schedule, ranks, len(key.shapes), model.split_backward)
+        source = key.schedule if merged is None else merged
         candidate = plan_partition(
             model,
             key.shapes,
-            key.schedule,
+            source,
             ranks,
             self.memory_limit,
             candidates=[key.current],
             relative_gap=self.relative_gap,
         )
-        current = evaluate_partition(model, key.shapes, key.schedule, ranks, key.current)
+        current = evaluate_partition(model, key.shapes, source, ranks, key.current)
         recent = tuple(
             StepPrediction(
-                evaluate_partition(model, shapes, key.schedule, ranks, key.current).step_seconds,
-                evaluate_partition(model, shapes, key.schedule, ranks, candidate.boundaries).step_seconds,
+                evaluate_partition(model, shapes, source, ranks, key.current).step_seconds,
+                evaluate_partition(model, shapes, source, ranks, candidate.boundaries).step_seconds,
             )
             for shapes in key.recent
             if len(shapes) == len(key.shapes)

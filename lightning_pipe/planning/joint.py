@@ -85,7 +85,7 @@ from lightning_pipe.planning.split_costs import split_placement_costs
 from lightning_pipe.schedules import (
     Schedule,
     is_split_placement,
-    merged_program,
+    merged_if_split,
     resolve_schedule,
     simulate,
     split_program,
@@ -618,14 +618,9 @@ def _merged_program(
 ) -> Program | None:
     """The program a zero-bubble family runs when the strategy merges its pairs
     (``config.merge_split_backward``); None for the family as built."""
-    if not config.merge_split_backward or not _splits_backward(schedule, num_ranks, count):
+    if not config.merge_split_backward:
         return None
-    return merged_program(schedule, num_ranks, count, cost_model.split_backward)
-
-
-@functools.lru_cache(maxsize=256)
-def _splits_backward(schedule: Schedule, num_ranks: int, count: int) -> bool:
-    return schedule.build(num_ranks, count).splits_backward
+    return merged_if_split(schedule, num_ranks, count, cost_model.split_backward)
 
 
 @functools.lru_cache(maxsize=256)

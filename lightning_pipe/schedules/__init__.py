@@ -18,6 +18,7 @@ from .backward_merging import (
     merge_decision_costs,
     merge_split_backwards,
     mergeable_pairs,
+    merged_if_split,
     merged_program,
 )
 from .costs import ActionCosts, SplitBackward
@@ -98,6 +99,7 @@ __all__ = [
     "merge_split_backwards",
     "merge_decision_costs",
     "merged_program",
+    "merged_if_split",
     # DSL
     "ScheduleSpec",
     "parse_spec",

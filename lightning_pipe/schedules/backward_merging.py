@@ -12,8 +12,9 @@ it, later by ``W``'s time, which matters only where the receiving rank waits for
 between to merge, with the simulator (two greedy searches, see there). The result is never slower than
 the program it started from under the same costs (checked), and holds no more memory (a merged pair
 frees its activations at ``B``, not at ``W``). :func:`merged_program` is the decision for a family under
-uniform microbatch costs: what the strategy runs and the planners price. The merge changes only the order of work on one rank, never a message: every rank may
-run a merged or unmerged program against any other, and gradients are the same sums either way.
+uniform microbatch costs: what the strategy runs and the planners price. The merge changes only the
+order of work on one rank, never a message: every rank may run a merged or unmerged program against any
+other, and gradients are the same sums either way.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .registry import Schedule
 from .simulate import simulate
 from .validate import validate
 
-__all__ = ["mergeable_pairs", "merge_backward_pairs", "merge_split_backwards", "merge_decision_costs", "merged_program"]
+__all__ = ["mergeable_pairs", "merge_backward_pairs", "merge_split_backwards", "merge_decision_costs", "merged_program",
+           "merged_if_split"]
 
 _I, _W, _B = ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT, ActionType.BACKWARD
 _SENDS = frozenset({ActionType.SEND_F, ActionType.SEND_B})
@@ -140,6 +142,21 @@ def merged_program(
     and what a planner that prices a family for it must simulate. Cached: the decision simulates."""
     program = validate(schedule.build(num_ranks, num_microbatches))
     return merge_split_backwards(program, merge_decision_costs(program, split))
+
+
+def merged_if_split(
+    schedule: Schedule, num_ranks: int, num_microbatches: int, split: SplitBackward | None = None
+) -> Program | None:
+    """:func:`merged_program` for a family whose program splits its backward; None for one that does
+    not (a planner then simulates the family as it is)."""
+    if not _splits_backward(schedule, num_ranks, num_microbatches):
+        return None
+    return merged_program(schedule, num_ranks, num_microbatches, split)
+
+
+@functools.lru_cache(maxsize=256)
+def _splits_backward(schedule: Schedule, num_ranks: int, num_microbatches: int) -> bool:
+    return schedule.build(num_ranks, num_microbatches).splits_backward
 
 
 PAIRWISE_LIMIT = 64

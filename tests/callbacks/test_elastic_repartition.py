@@ -48,14 +48,15 @@ def _attention_heavy_model(num_blocks: int = 8) -> CostModel:
 
 
 @pytest.mark.parametrize(
-    ("pp", "dp", "optimizer", "accumulate", "given_model"),
+    ("pp", "dp", "optimizer", "accumulate", "given_model", "schedule"),
     [
-        (2, 1, "adamw", 2, False),  # the meta-device cost model, migrations inside accumulation windows
-        (4, 1, "sgd", 1, True),  # a JSON profile, momentum buffers migrate
-        (2, 2, "sgd", 2, False),  # replicas agree on one partition
+        (2, 1, "adamw", 2, False, "1f1b"),  # the meta-device cost model, migrations inside accumulation windows
+        (4, 1, "sgd", 1, True, "1f1b"),  # a JSON profile, momentum buffers migrate
+        (2, 2, "sgd", 2, False, "1f1b"),  # replicas agree on one partition
+        (2, 1, "adamw", 1, True, "zbv"),  # 4 stages, zero-bubble pairs merged: priced as the program that runs
     ],
 )
-def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer, accumulate, given_model):
+def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer, accumulate, given_model, schedule):
     steps = 3
     batches = _alternating_batches(steps * accumulate * dp, dp)
     cost_model = None
@@ -63,7 +64,9 @@ def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer
         cost_model = tmp_path / "profile.json"
         _attention_heavy_model().save(cost_model)
     make = lambda: TinyGPT(layers=8, vocab=VOCAB, optimizer=optimizer).double()
-    strategy = ElasticPipelineStrategy(pipeline_parallel_size=pp, num_microbatches=4, start_method=START_METHOD)
+    strategy = ElasticPipelineStrategy(
+        pipeline_parallel_size=pp, num_microbatches=4, schedule=schedule, start_method=START_METHOD
+    )
     callbacks = [
         ElasticRepartition(cost_model=cost_model, trigger="always"),
         RecordPlans(str(tmp_path / "plans.jsonl")),
@@ -82,7 +85,7 @@ def test_elastic_repartition_every_step_keeps_parity(tmp_path, pp, dp, optimizer
     assert_same_parameters(pipelined, reference, atol=1e-10)
     partitions = [tuple(plan["boundaries"]) for plan in read_plans(tmp_path / "plans.jsonl")]
     assert len(partitions) == steps * accumulate and len(set(partitions)) >= 2  # the partition did change
-    assert all(len(p) == pp + 1 for p in partitions)
+    assert all(len(p) == pp * strategy.schedule.stages_per_rank + 1 for p in partitions)
     assert max(logged(tmp_path, "elastic/migrated_bytes")) > 0
     assert max(logged(tmp_path, "elastic/looked_ahead")) == 1.0  # later batches were planned in the background
     assert all(s >= 0 for s in logged(tmp_path, "elastic/planning_s"))

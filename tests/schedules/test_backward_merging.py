@@ -16,6 +16,7 @@ from lightning_pipe.schedules import (
     merge_decision_costs,
     merge_split_backwards,
     mergeable_pairs,
+    merged_if_split,
     merged_program,
     resolve_schedule,
     simulate,
@@ -126,3 +127,8 @@ def test_auto_schedule_prices_the_merged_program_when_the_strategy_merges():
     assert merged["zbv"].makespan == pytest.approx(expected)
     assert merged["zbv"].makespan < plain["zbv"].makespan
     assert merged["1f1b"].makespan == plain["1f1b"].makespan
+
+
+def test_merged_if_split_is_the_merged_program_for_a_split_family_and_none_otherwise():
+    assert merged_if_split(resolve_schedule("1f1b"), 2, 4) is None
+    assert merged_if_split(resolve_schedule("zbv"), 2, 4, MEASURED) is merged_program(resolve_schedule("zbv"), 2, 4, MEASURED)
