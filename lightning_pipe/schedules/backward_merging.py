@@ -71,8 +71,11 @@ def merge_backward_pairs(program: Program, pairs: Collection[Pair]) -> Program:
             f"Cannot merge {sorted(unknown)}: only pairs whose W follows their I with at most sends between can be "
             "merged into one B."
         )
-    if not chosen:
-        return program
+    return validate(_merged(program, chosen)) if chosen else program
+
+
+def _merged(program: Program, chosen: Collection[Pair]) -> Program:
+    """The merge itself, unchecked (the searches simulate many; what they return is validated)."""
     actions = tuple(
         tuple(
             Action(a.stage, _B, a.microbatch) if a.type is _I and (a.stage, a.microbatch) in chosen else a
@@ -81,7 +84,7 @@ def merge_backward_pairs(program: Program, pairs: Collection[Pair]) -> Program:
         )
         for row in program.actions
     )
-    return validate(dataclasses.replace(program, actions=actions))
+    return dataclasses.replace(program, actions=actions)
 
 
 def merge_decision_costs(program: Program, split: SplitBackward | None = None) -> ActionCosts:
@@ -123,7 +126,7 @@ def merge_split_backwards(program: Program, costs: ActionCosts | None = None) ->
     candidates = mergeable_pairs(program)
 
     def makespan(merged: Collection[Pair]) -> float:
-        return simulate(merge_backward_pairs(program, merged), costs, record_events=False).makespan
+        return simulate(_merged(program, set(merged)), costs, record_events=False).makespan
 
     original = makespan(())
     options = [_merge_greedily(candidates, makespan, original, pairwise=len(candidates) <= PAIRWISE_LIMIT)]
