@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from .costs import ActionCosts, SplitBackward
 from .ir import Action, ActionType, Program
@@ -37,6 +37,8 @@ _SENDS = frozenset({ActionType.SEND_F, ActionType.SEND_B})
 
 Pair = tuple[int, int]
 """``(stage, microbatch)``."""
+Makespan = Callable[[Collection[Pair]], float]
+"""The simulated step with a set of pairs merged."""
 
 
 def mergeable_pairs(program: Program) -> tuple[Pair, ...]:
@@ -132,7 +134,7 @@ def merge_split_backwards(program: Program, costs: ActionCosts | None = None) ->
     options = [_merge_greedily(candidates, makespan, original, pairwise=len(candidates) <= PAIRWISE_LIMIT)]
     if len(candidates) <= PAIRWISE_LIMIT:
         options.append(_split_greedily(candidates, makespan))
-    time, merged = min(options, key=lambda option: (option[0] * (1 - 1e-9), -len(option[1])))
+    time, merged = min(options, key=lambda option: (round(option[0] / original, 9), -len(option[1])))
     return merge_backward_pairs(program, merged) if time <= original * (1 + 1e-9) else program
 
 
@@ -166,7 +168,9 @@ PAIRWISE_LIMIT = 64
 """Most candidate pairs searched one at a time (one simulation each, twice); more are searched in groups."""
 
 
-def _merge_greedily(candidates: tuple[Pair, ...], makespan, start: float, pairwise: bool) -> tuple[float, set[Pair]]:
+def _merge_greedily(
+    candidates: tuple[Pair, ...], makespan: Makespan, start: float, pairwise: bool
+) -> tuple[float, set[Pair]]:
     merged: set[Pair] = set()
     best = start
 
@@ -184,7 +188,7 @@ def _merge_greedily(candidates: tuple[Pair, ...], makespan, start: float, pairwi
     return best, merged
 
 
-def _split_greedily(candidates: tuple[Pair, ...], makespan) -> tuple[float, set[Pair]]:
+def _split_greedily(candidates: tuple[Pair, ...], makespan: Makespan) -> tuple[float, set[Pair]]:
     merged = set(candidates)
     best = makespan(merged)
     for pair in candidates:
