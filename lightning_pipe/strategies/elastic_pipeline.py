@@ -659,10 +659,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def _build_program(self, schedule: Schedule, num_microbatches: int) -> Program:
         """``schedule``'s validated program for ``num_microbatches``, its split backwards merged where
         splitting them buys nothing (``merge_split_backward``)."""
-        program = schedule.build(self.pipeline_parallel_size, num_microbatches)
-        check_executable(validate(program))
-        if self._merge_split_backward and program.splits_backward:
+        if self._merge_split_backward:  # validated; a family without I comes back as built
             program = merged_program(schedule, self.pipeline_parallel_size, num_microbatches, self._split_shares())
+        else:
+            program = validate(schedule.build(self.pipeline_parallel_size, num_microbatches))
+        check_executable(program)
         return program
 
     @property
