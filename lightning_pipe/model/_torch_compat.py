@@ -62,13 +62,26 @@ def tree_leaves(value: Any) -> list[Any]:
     return leaves if _plain_leaves(value, leaves) else _pytree_leaves(value)
 
 
+# types that are leaves for pytree, checked first: most arguments are one of them
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None), torch.dtype, torch.device})
+
+
 def _plain_leaves(value: Any, leaves: list[Any]) -> bool:
     """Append the leaves of a nest of exact tuples, lists and dicts; False on any other container."""
     kind = type(value)
+    if kind in _LEAF_TYPES:
+        leaves.append(value)
+        return True
     if kind is tuple or kind is list:
-        return all(_plain_leaves(item, leaves) for item in value)
+        for item in value:  # a loop, not all(generator): this runs for every operation of a later stage's code
+            if not _plain_leaves(item, leaves):
+                return False
+        return True
     if kind is dict:
-        return all(_plain_leaves(item, leaves) for item in value.values())
+        for item in value.values():
+            if not _plain_leaves(item, leaves):
+                return False
+        return True
     if kind in PYTREE_NODES or isinstance(value, (tuple, list, dict)):  # namedtuples, OrderedDicts, ...
         return False
     leaves.append(value)

@@ -191,8 +191,9 @@ class PlaceholderMode(TorchFunctionMode):
         tag = value.__dict__.get(_TAG)
         return tag[1] if tag is not None and tag[0] is self._run else frozenset()
 
-    def placeholder(self, meta: Tensor, sources: frozenset, device: torch.device | None = None) -> Tensor:
-        """A real tensor of zeros shaped like ``meta``, tagged with ``sources``."""
+    def placeholder(self, meta: Any, sources: frozenset, device: torch.device | None = None) -> Tensor:
+        """A real tensor of zeros shaped like ``meta`` (a meta tensor, or anything with ``shape`` and
+        ``dtype``: a block's remembered output spec), tagged with ``sources``."""
         device = device or self.device
         if self.cache is not None:
             out = self.cache.zeros(meta.shape, meta.dtype, device)

@@ -41,7 +41,7 @@ from lightning_pipe.model._torch_compat import (
 )
 from lightning_pipe.model.blocks import BlockStack
 from lightning_pipe.model.placeholders import PlaceholderCache, PlaceholderMode, describe_sources, find_tainted
-from lightning_pipe.model.shape_rules import ShapeRules, TensorSpec
+from lightning_pipe.model.shape_rules import BlockOutput, ShapeRules, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,11 @@ def _describe_leaf(leaf: Any) -> Any:
     if isinstance(leaf, _PLAIN):
         return leaf
     return ("O", type(leaf).__qualname__)  # a cache object, a config: its identity must not grow the memo
+
+
+def _meta_leaf(item: Any) -> Any:
+    """A meta tensor for a :class:`TensorSpec`; any other leaf as it is."""
+    return torch.empty(item.shape, dtype=item.dtype, device="meta") if isinstance(item, TensorSpec) else item
 
 
 def _meta_twin(block: nn.Module) -> nn.Module:
@@ -294,10 +299,16 @@ class StageRunner:
         run.last_block = index
         if index < span.first_block:
             with _suspended():
-                meta_output = self._meta_output(index, args, kwargs)
-            if index == span.first_block - 1:
-                return self._inject(run, meta_output)
-            return self._placeholders(run.mode, meta_output, frozenset({("block", index)}))
+                described, spec = self._output_spec(index, args, kwargs)
+                if index == span.first_block - 1:
+                    meta_output = tree_unflatten([_meta_leaf(item) for item in described], spec)
+                else:  # straight from the shapes: no meta tensors on the way
+                    sources = frozenset({("block", index)})
+                    return tree_unflatten(
+                        [run.mode.placeholder(item, sources) if isinstance(item, TensorSpec) else item for item in described],
+                        spec,
+                    )
+            return self._inject(run, meta_output)
         if index >= span.end_block:
             raise RuntimeError(
                 f"Block {index} ran after stage {span.stage}'s last block {span.end_block - 1} without the stage "
@@ -325,10 +336,12 @@ class StageRunner:
                 "outputs cannot reach a later stage: return it from the block instead."
             )
 
-    def _meta_output(self, index: int, args: tuple, kwargs: dict, force: bool = False) -> Any:
+    def _output_spec(self, index: int, args: tuple, kwargs: dict) -> BlockOutput:
+        """The leaves (a :class:`TensorSpec` per tensor) and tree spec of block ``index``'s output for these
+        arguments: remembered, predicted by the shape rules, or probed on the meta device."""
         key = (index, _signature((args, kwargs)))
-        memo = None if force else self._shape_memo.get(key)
-        if memo is None and self.predict_shapes and not force:
+        memo = self._shape_memo.get(key)
+        if memo is None and self.predict_shapes:
             memo = self.shape_rules.predict(index, (args, kwargs))
         if memo is None:
             self.probes += 1
@@ -338,12 +351,7 @@ class StageRunner:
             memo = ([TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
             self._shape_memo[key] = memo
             self.shape_rules.observe(index, (args, kwargs), memo)
-        described, spec = memo
-        leaves = [
-            torch.empty(item.shape, dtype=item.dtype, device="meta") if isinstance(item, TensorSpec) else item
-            for item in described
-        ]
-        return tree_unflatten(leaves, spec)
+        return memo
 
     def _placeholders(self, mode: PlaceholderMode, meta_output: Any, sources: frozenset) -> Any:
         with _suspended():
