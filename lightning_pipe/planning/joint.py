@@ -341,9 +341,7 @@ def evaluate_plan(
             shapes = _priced_shapes(lengths, plan.microbatch_sizes, config.padded)
         else:
             shapes = _unsized_shapes(lengths, plan.num_microbatches, num_ranks, config)
-        program = _merged_program(plan.schedule, num_ranks, len(shapes), cost_model, config) or plan.schedule.build(
-            num_ranks, len(shapes)
-        )
+        program = _family_program(plan.schedule, num_ranks, len(shapes), cost_model, config)
     limit = math.inf if budget is None else budget
     if not plan_memory_too:
         memory = plan.memory or MemoryPlan()
@@ -623,6 +621,11 @@ def _merged_program(
     return merged_if_split(schedule, num_ranks, count, cost_model.split_backward)
 
 
+def _family_program(schedule: Schedule, num_ranks: int, count: int, cost_model: CostModel, config: JointConfig) -> Program:
+    """The program the strategy runs for the family: merged (:func:`_merged_program`) or as built."""
+    return _merged_program(schedule, num_ranks, count, cost_model, config) or schedule.build(num_ranks, count)
+
+
 @functools.lru_cache(maxsize=256)
 def _runs(schedule: Schedule, num_ranks: int, count: int) -> bool:
     """Whether the family builds a program for this many microbatches."""
@@ -809,8 +812,7 @@ def _plan_memory_for(
     if plan.chunks is not None:
         program = chunk_program(plan, num_ranks)
     else:
-        merged = _merged_program(plan.schedule, num_ranks, len(shapes), cost_model, config)
-        program = merged or plan.schedule.build(num_ranks, len(shapes))
+        program = _family_program(plan.schedule, num_ranks, len(shapes), cost_model, config)
     try:
         result = plan_memory(
             program, plan.boundaries, list(shapes), profile, math.inf if limit is None else limit, cost_model=cost_model,
