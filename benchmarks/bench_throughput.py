@@ -45,6 +45,7 @@ little of the throughput it reports.
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -258,12 +259,26 @@ class LastStage(nn.Module):
 
 
 def run_torch_1f1b_rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    write(out, torch_1f1b_result(rank, args))
+    dist.destroy_process_group()
+
+
+def torch_1f1b_result(rank: int, args: argparse.Namespace) -> RankResult:
+    """This rank's measurement of torch's Schedule1F1B, in the process group already initialised."""
     batches = make_batches(args)
     rss_before = peak_rss_bytes()
+    step, module = torch_1f1b_step(rank, args, batches)
+    *seconds, loss = timed_steps(args, step, dist.barrier)
+    return result(args, "torch-1f1b", rank, 2, seconds, rss_before, param_bytes(module), loss)
+
+
+def torch_1f1b_step(rank: int, args: argparse.Namespace, batches: list[torch.Tensor]):
+    """This rank's half of the GPT under torch's Schedule1F1B: a function that runs step ``i`` on
+    ``batches[i]`` (schedule, optimizer step, the loss broadcast) and returns the loss; and the module."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
     gpt = build_model(args)  # the full model briefly, so both halves get the same init as (a)
     half = args.n_layer // 2
     module = FirstStage(gpt, half) if rank == 0 else LastStage(gpt, half)
@@ -285,9 +300,7 @@ def run_torch_1f1b_rank(rank: int, args: argparse.Namespace, store: str, out: st
         dist.broadcast(mean_loss, src=1)
         return mean_loss.item()
 
-    *seconds, loss = timed_steps(args, step, dist.barrier)
-    write(out, result(args, "torch-1f1b", rank, 2, seconds, rss_before, param_bytes(module), loss))
-    dist.destroy_process_group()
+    return step, module
 
 
 # ----------------------------------------------------------------------------- (d) lightning_pipe
@@ -303,11 +316,20 @@ def lightning_pipe_strategy_class():
 
 
 def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    outcome, _ = lightning_pipe_result(args)
+    write(out, outcome)
+
+
+def lightning_pipe_result(args: argparse.Namespace, callbacks: list = (), first: bool = False) -> tuple[RankResult, object]:
+    """This rank's measurement of `L.Trainer(strategy=ElasticPipelineStrategy(...))` under
+    `args.schedule`, and the trainer (whose strategy holds the process groups it made). ``callbacks``
+    run after the timer's hooks, or before them with ``first`` (either way outside its time)."""
     import lightning as L
 
     strategy_class = lightning_pipe_strategy_class()
-    torch.set_num_threads(1)
     rss_before = peak_rss_bytes()
+    measured = []
 
     class Timer(L.Callback):
         def __init__(self) -> None:
@@ -337,7 +359,7 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
                 outcome.kind_compute = {
                     k: statistics.median(r.kind_compute_s.get(k, 0.0) for r in timed) for k in timed[0].kind_compute_s
                 }
-            write(out, outcome)
+            measured.append(outcome)
 
     monitor = None
     if args.breakdown:
@@ -358,12 +380,93 @@ def run_lightning_pipe(args: argparse.Namespace, out: str) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Timer()] + ([monitor] if monitor is not None else []),
+        callbacks=[*(callbacks if first else ()), Timer(), *([monitor] if monitor else ()), *(() if first else callbacks)],
         # One pipeline replica (pp=2, dp=1) needs no sharding; without this Lightning would
         # shuffle the batches and the final loss could not be compared with the other rows.
         use_distributed_sampler=False,
     )
     trainer.fit(build_model(args), torch.utils.data.DataLoader(data, batch_size=None))
+    return measured[0], trainer
+
+
+# ----------------------------------------------------------------------------- steps interleaved
+
+
+def run_interleaved_rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
+    """``--pairs`` rounds with ``--interleave``: in these two processes, one `L.Trainer` fit per family of
+    ``--schedules`` (order rotated every round), and beside every lightning-pipe step one step of torch's
+    Schedule1F1B on the same batch index, timed the same way (between barriers): after it in even
+    rounds, before it in odd ones. Each fit's ranks write
+    the lightning-pipe row to ``out/<round>-<family>/`` and the torch row to ``out/<round>-torch-<family>/``.
+
+    This machine's speed drifts by 10-15% over tens of seconds (other tenants), and a process's speed
+    by 5-8% from one launch to the next: rows run one after the other carry both, rows alternated step
+    by step in the same processes neither. Lightning finds the processes made (``LOCAL_RANK`` set) and
+    the default group initialised, so each trainer runs in place; the groups a strategy made are
+    destroyed after its fit, so that later fits do not carry earlier ones' gloo threads.
+    """
+    import lightning as L
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    batches = make_batches(args)
+
+    class TorchStepBeside(L.Callback):
+        """Beside every lightning-pipe step (after it, or ``before`` it), torch's step on the same batch,
+        timed as `timed_steps` does."""
+
+        def __init__(self, before: bool) -> None:
+            self.before = before
+            self.step_seconds, self.cpu_seconds, self.loss = [], [], float("nan")
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.rss_before = peak_rss_bytes()
+            self.step, self.module = torch_1f1b_step(rank, args, batches)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if self.before:
+                self.run(batch_idx)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if not self.before:
+                self.run(batch_idx)
+
+        def run(self, batch_idx: int) -> None:
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            self.loss = self.step(batch_idx)
+            dist.barrier()
+            if batch_idx >= args.warmup:
+                self.step_seconds.append(time.perf_counter() - start)
+                self.cpu_seconds.append(time.process_time() - cpu_start)
+
+        def result(self) -> RankResult:
+            seconds = self.step_seconds, self.cpu_seconds
+            return result(args, "torch-1f1b", rank, 2, seconds, self.rss_before, param_bytes(self.module), self.loss)
+
+    for round_, order in enumerate(round_orders(args)):
+        for schedule in (s for s in order if s is not None):
+            torch_row = TorchStepBeside(before=round_ % 2 == 1)  # which of the two runs first alternates
+            row_args = argparse.Namespace(**{**vars(args), "schedule": schedule})
+            outcome, trainer = lightning_pipe_result(row_args, callbacks=[torch_row], first=torch_row.before)
+            destroy_strategy_groups(trainer.strategy)
+            for name, rank_result in ((schedule, outcome), (f"torch-{schedule}", torch_row.result())):
+                directory = Path(out, f"{round_}-{name}")
+                directory.mkdir(exist_ok=True)
+                write(str(directory), rank_result)
+            del trainer, torch_row
+            gc.collect()
+    dist.destroy_process_group()
+
+
+def destroy_strategy_groups(strategy) -> None:
+    """Destroy the process groups an `ElasticPipelineStrategy` made at setup (this rank's)."""
+    groups = strategy.groups
+    found = [groups.pipeline, groups.data_parallel, groups.ends, groups.outcome, strategy.sharded_checkpoints.group]
+    unique = {id(g): g for g in found if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER}
+    for group in unique.values():
+        dist.destroy_process_group(group)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -387,12 +490,16 @@ def run_worker(args: argparse.Namespace) -> None:
         mp.spawn(run_torch_1f1b_rank, args=(args, store, args.out), nprocs=2)
     elif args.worker == "lightning-pipe":
         run_lightning_pipe(args, args.out)
+    elif args.worker == "interleaved":
+        mp.spawn(run_interleaved_rank, args=(args, store, args.out), nprocs=2)
 
 
 def launch(config: str, args: argparse.Namespace, out: str) -> tuple[list[RankResult], str]:
     """Runs `config` in a fresh subprocess; returns its rank results and an error text."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out]
     command += forwarded_flags(args)
+    if config == "interleaved":
+        command += ["--pairs", str(args.pairs), "--schedules", *args.schedules]
     env = dict(os.environ, OMP_NUM_THREADS="1" if config != "single-2t" else "2")
     env["PYTHONWARNINGS"] = "ignore"
     completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
@@ -486,7 +593,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--schedules", nargs="+", default=["1f1b"], help="lightning-pipe families in --pairs")
     parser.add_argument("--schedule", default="1f1b", help="the lightning-pipe run's family (one run)")
     parser.add_argument("--breakdown", action="store_true", help="where lightning-pipe's step goes (monitor)")
-    parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--interleave", action="store_true",
+        help="with --pairs: one pair of processes, a torch step after every lightning-pipe step",
+    )
+    parser.add_argument("--worker", choices=[*CONFIGS, "interleaved"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.global_batch % 2 or args.global_batch % args.microbatches or args.n_layer < 2:
@@ -517,38 +628,66 @@ def main() -> None:
     print_table(args, rows, load_before)
 
 
+def round_orders(args: argparse.Namespace) -> list[list[str | None]]:
+    """The rows of each ``--pairs`` round (None: torch's Schedule1F1B), the order rotated every round."""
+    entries = [None, *args.schedules]
+    return [entries[r % len(entries) :] + entries[: r % len(entries)] for r in range(args.pairs)]
+
+
+def read_results(directory: Path) -> list[RankResult]:
+    """The rank results one row's ranks wrote into ``directory``."""
+    return [RankResult(**json.loads(path.read_text())) for path in sorted(directory.glob("*-rank*.json"))]
+
+
 def run_pairs(args: argparse.Namespace, load_before: float) -> None:
     """torch's Schedule1F1B and lightning-pipe under each of ``--schedules``, in an order that
-    rotates every round, ``--pairs`` rounds: each round's ratio to torch, and the median per schedule."""
-    entries = [None, *args.schedules]  # None: torch's Schedule1F1B
+    rotates every round, ``--pairs`` rounds: each round's ratio to torch, and the median per schedule.
+    Each row runs in fresh processes; with ``--interleave`` each family's steps alternate with torch's
+    in one pair of processes (`run_interleaved_rank`), and its ratio is to those torch steps."""
     ratios: dict[str, list[float]] = {schedule: [] for schedule in args.schedules}
     breakdowns: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
     kinds: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
     cpu: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as out:
-        for round_ in range(args.pairs):
-            shift = round_ % len(entries)
+        if args.interleave:
+            print(f"running {args.pairs} rounds in one pair of processes, steps interleaved ...", flush=True)
+            _, error = launch("interleaved", args, out)
+            if error:
+                raise SystemExit(f"the interleaved rounds failed: {error}")
+        for round_, order in enumerate(round_orders(args)):
             throughput = {}
-            for schedule in entries[shift:] + entries[:shift]:
+            for schedule in order:
+                if args.interleave and schedule is None:
+                    continue
                 config = "torch-1f1b" if schedule is None else "lightning-pipe"
                 directory = Path(out, f"{round_}-{schedule or 'torch'}")
-                directory.mkdir()
-                results, error = launch(config, argparse.Namespace(**{**vars(args), "schedule": schedule}), str(directory))
-                if error:
-                    raise SystemExit(f"{CONFIGS[config]} {schedule or ''} failed: {error}")
-                step_seconds = [max(times) for times in zip(*(r.step_seconds for r in results))]
-                throughput[schedule] = results[0].tokens_per_step / statistics.median(step_seconds)
-                name = schedule or "torch-1f1b"
-                if schedule is not None:
-                    breakdowns[schedule] += [r.breakdown for r in results if r.breakdown and r.rank == 0]
-                    kinds[schedule] += [r.kind_compute for r in results if r.kind_compute and r.rank == 0]
-                for r in results:
-                    cpu.setdefault((name, r.rank), []).append(statistics.median(r.cpu_seconds))
-            line = ", ".join(f"{s or 'torch-1f1b'} {throughput[s]:,.0f}" for s in entries)
+                if not args.interleave:
+                    directory.mkdir()
+                    row_args = argparse.Namespace(**{**vars(args), "schedule": schedule})
+                    _, error = launch(config, row_args, str(directory))
+                    if error:
+                        raise SystemExit(f"{CONFIGS[config]} {schedule or ''} failed: {error}")
+                rows = [(schedule, directory)]
+                if args.interleave:
+                    rows.append((f"torch@{schedule}", Path(out, f"{round_}-torch-{schedule}")))
+                for name, directory in rows:
+                    results = read_results(directory)
+                    step_seconds = [max(times) for times in zip(*(r.step_seconds for r in results))]
+                    throughput[name] = results[0].tokens_per_step / statistics.median(step_seconds)
+                    for r in results:
+                        cpu.setdefault((name or "torch-1f1b", r.rank), []).append(statistics.median(r.cpu_seconds))
+                        if name == schedule and r.rank == 0 and r.breakdown:
+                            breakdowns[schedule].append(r.breakdown)
+                            kinds[schedule].append(r.kind_compute)
             for schedule in args.schedules:
-                ratios[schedule].append(throughput[schedule] / throughput[None])
+                reference = throughput[f"torch@{schedule}" if args.interleave else None]
+                ratios[schedule].append(throughput[schedule] / reference)
+            line = ", ".join(f"{name or 'torch-1f1b'} {value:,.0f}" for name, value in throughput.items())
             print(f"round {round_}: tokens/s {line}; ratios " + ", ".join(
                 f"{s} {ratios[s][-1]:.3f}" for s in args.schedules), flush=True)
+    how = "each family's steps alternated with torch's in one pair of processes" if args.interleave else (
+        "each row in fresh processes")
+    print(f"({how}; order rotated every round)")
     for schedule in args.schedules:
         print(f"median ratio lightning-pipe {schedule} / torch Schedule1F1B over {args.pairs} rotated rounds: "
               f"{statistics.median(ratios[schedule]):.3f}")
