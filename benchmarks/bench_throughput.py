@@ -33,6 +33,7 @@ Run from the repository root (about one and a half minutes on 2 cores):
     python benchmarks/bench_throughput.py --steps 40 --n-layer 12 --only ddp torch-1f1b
     python benchmarks/bench_throughput.py --pairs 5 --breakdown     # torch-1f1b vs lightning-pipe
     python benchmarks/bench_throughput.py --pairs 5 --schedules 1f1b zb_h1 zbv
+    python benchmarks/bench_throughput.py --pairs 7 --schedules 1f1b zbv --interleave
 
 ``--pairs N`` runs torch's Schedule1F1B and lightning-pipe (under each family of ``--schedules``,
 default 1f1b) N rounds, rotating the order every round, and prints each round's throughput ratios
@@ -42,6 +43,13 @@ receive waits, sends, the executor between actions, everything outside the progr
 of each kind of action on both ranks (``F``, ``B``; ``I`` and ``W`` for zero-bubble families: what the
 split backward costs against ``B``); the monitor gathers per-rank timings every step, which costs a
 little of the throughput it reports.
+
+``--interleave`` (with ``--pairs``) runs every round in one pair of processes: one Lightning fit per
+family, and beside every one of its steps one step of torch's Schedule1F1B on the same batch (after
+it in even rounds, before it in odd ones), each timed between barriers; a family's ratio is to the
+torch steps beside it. On this shared machine a process's speed drifts 10-15% over tens of seconds
+and 5-8% from one launch to the next; rows run one after the other carry both (rounds of 0.92-1.09),
+rows alternated step by step neither (rounds within about 2%). It is the mode to quote.
 """
 
 import argparse
