@@ -91,25 +91,44 @@ def test_first_stage_without_input_gradients_computes_every_weight_in_w():
     assert i == 0 and w == full
 
 
-def test_w_accumulates_through_the_engine():
-    """Existing .grad (an accumulation window) is added to, and post-accumulate hooks fire (optimizer offload)."""
+def test_i_and_w_accumulate_through_the_engine():
+    """Existing .grad (an accumulation window) is added to and post-accumulate hooks fire (optimizer
+    offload): the bias (a vector) in I, on its way to the input's gradient, the weight (a matrix) in W.
+    The input's own .grad is left as it was."""
     torch.manual_seed(0)
     layer = nn.Linear(4, 4).double()
     before = {n: torch.randn_like(p) for n, p in layer.named_parameters()}
     for n, p in layer.named_parameters():
         p.grad = before[n].clone()
     fired = []
-    for p in layer.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    for name, p in layer.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    held = torch.randn_like(x)
+    x.grad = held
     out = layer(x)
-    grad = torch.ones_like(out)
-    _, weight_pass = backward_input([out], [grad], [x])
-    assert not fired
-    weight_pass.run()
-    assert len(fired) == 2
-    torch.testing.assert_close(layer.weight.grad, before["weight"] + grad.T @ x.detach())
+    grad = torch.randn_like(out)
+    (input_grad,), weight_pass = backward_input([out], [grad], [x])
+    assert fired == ["bias"]
+    assert x.grad is held
+    torch.testing.assert_close(input_grad, grad @ layer.weight.detach(), rtol=0, atol=1e-14)
     torch.testing.assert_close(layer.bias.grad, before["bias"] + grad.sum(0))
+    weight_pass.run()
+    assert fired == ["bias", "weight"]
+    torch.testing.assert_close(layer.weight.grad, before["weight"] + grad.T @ x.detach())
+
+
+def test_w_is_the_matrices_only_when_there_are_input_gradients():
+    """On transformer blocks, W's work is exactly the matrix weights' products and I leaves no matrix
+    gradient behind; norms and biases are done by I."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[Block(16, 2) for _ in range(2)]).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    _, weight_pass = backward_input([blocks(x)], [torch.randn(2, 5, 16, dtype=torch.float64)], [x])
+    assert all((p.grad is None) == (p.dim() >= 2) for p in blocks.parameters())
+    assert sorted(map(id, weight_pass.params_by_node.values())) == sorted(id(p) for p in blocks.parameters() if p.dim() >= 2)
+    weight_pass.run()
+    assert all(p.grad is not None for p in blocks.parameters())
 
 
 def test_private_torch_name_is_still_there():
