@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
 
-from lightning_pipe.runtime._torch_compat import accumulate_from_edges, grad_output_count
+from lightning_pipe.runtime._torch_compat import accumulate_from_edges, grad_output_count, linear_weight_gradient
 
 
 @dataclass
@@ -58,6 +58,8 @@ class WeightPass:
         them the same way and drops them (what a measurement of W's cost needs: no ``.grad`` and no
         gradient hook sees them)."""
         for group in self.groups:
+            if _linear_weight(group, accumulate):
+                continue
             edges, grads = [], []
             for node, captured in group.grads.items():
                 for index, grad in enumerate(captured):
@@ -76,6 +78,24 @@ class WeightPass:
                 for handle in handles:
                     handle.remove()
         self.groups = []
+
+
+def _linear_weight(group: _Group, accumulate: bool) -> bool:
+    """W of a group that is one linear layer's weight, its product computed here and only its
+    accumulation through the engine (from the weight's accumulator: nothing else to walk); False
+    for any other group."""
+    if len(group.grads) != 1 or len(group.params) != 1:
+        return False
+    (node, captured), = group.grads.items()
+    if len(captured) != 1 or captured[0] is None:
+        return False
+    found = linear_weight_gradient(node, captured[0])
+    if found is None or found[0] not in group.params:
+        return False
+    accumulator, grad = found
+    if accumulate:
+        accumulate_from_edges((GradientEdge(accumulator, 0),), (grad,), (accumulator.variable,))
+    return True
 
 
 def _node(tensor: Tensor) -> Node | None:

@@ -118,6 +118,37 @@ def test_i_and_w_accumulate_through_the_engine():
     torch.testing.assert_close(layer.weight.grad, before["weight"] + grad.T @ x.detach())
 
 
+def test_w_computes_linear_weights_without_the_engine_walk_and_bit_exact(monkeypatch):
+    """A linear layer's weight gradient is the product autograd itself computes (same tensor, bit for
+    bit): W computes it directly (runtime/_torch_compat.linear_weight_gradient) for every linear of
+    the blocks, and through the engine for the rest."""
+    from lightning_pipe.runtime import split_backward
+
+    taken = []
+    original = split_backward.linear_weight_gradient
+    monkeypatch.setattr(
+        split_backward, "linear_weight_gradient", lambda node, grad: taken.append(original(node, grad)) or taken[-1]
+    )
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[Block(16, 2) for _ in range(2)]).double()
+    reference = copy.deepcopy(blocks)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    grad = torch.randn(2, 5, 16, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    (input_grad,), weight_pass = backward_input([blocks(leaf)], [grad], [leaf])
+    weight_pass.run()
+    ref_leaf = x.clone().requires_grad_()
+    reference(ref_leaf).backward(grad)
+    linears = [m for m in blocks.modules() if isinstance(m, nn.Linear)]
+    assert len([t for t in taken if t is not None]) == len(linears) > 0
+    for (name, p), q in zip(blocks.named_parameters(), reference.parameters(), strict=True):
+        if p.dim() >= 2:
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(input_grad, ref_leaf.grad, rtol=0, atol=1e-12)
+
+
 def test_w_is_the_matrices_only_when_there_are_input_gradients():
     """On transformer blocks, W's work is exactly the matrix weights' products and I leaves no matrix
     gradient behind; norms and biases are done by I."""

@@ -100,6 +100,34 @@ def test_accumulate_from_edges_is_backward_from_gradient_edges():
     assert torch.allclose(layer.weight.grad, 2 * grad.T @ x.detach(), atol=1e-12)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 4), (2, 3, 4)])
+def test_linear_weight_gradient_is_the_tensor_autograd_computes(bias, shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3, bias=bias).double()
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    grad = torch.randn_like(out)
+    product = out.grad_fn
+    while type(product).__name__ not in ("AddmmBackward0", "MmBackward0"):  # under the views of a 3-D input
+        product = product.next_functions[0][0]
+    found = compat.linear_weight_gradient(product, grad.reshape(-1, 3))
+    assert found is not None
+    accumulator, weight_grad = found
+    assert accumulator.variable is layer.weight
+    out.backward(grad)
+    assert torch.equal(weight_grad, layer.weight.grad) and weight_grad.stride() == layer.weight.grad.stride()
+
+
+def test_linear_weight_gradient_declines_other_products():
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 2, requires_grad=True)
+    assert compat.linear_weight_gradient((a @ b).grad_fn, torch.ones(3, 2)) is None  # no transposed parameter
+    assert compat.linear_weight_gradient(a.exp().grad_fn, torch.ones(3, 4)) is None
+    w = nn.Parameter(torch.randn(4, 2))
+    assert compat.linear_weight_gradient(torch.addmm(torch.zeros(2), a, w, alpha=2).grad_fn, torch.ones(3, 2)) is None
+
+
 def test_model_names():
     assert issubclass(nn.BatchNorm2d, model_compat.BatchNormBase) and not issubclass(nn.LayerNorm, model_compat.BatchNormBase)
     assert model_compat.legacy_reduction(None, None) == "mean"
