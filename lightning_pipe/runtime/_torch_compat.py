@@ -89,7 +89,8 @@ def linear_weight_gradient(node: Node, grad: Tensor) -> tuple[Node, Tensor] | No
     accumulator = weight_edge.next_functions[0][0]
     if accumulator is None or not hasattr(accumulator, "variable"):
         return None
-    return accumulator, grad.t().mm(operand)
+    with torch.no_grad():  # as the engine runs it (the saved operand requires grad); autocast applies alike
+        return accumulator, grad.t().mm(operand)
 
 
 def grad_output_count(node: Node) -> int:

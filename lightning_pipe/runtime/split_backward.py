@@ -1,10 +1,10 @@
 """Zero-bubble's split backward: an input-gradient pass (I) now, a weight-gradient pass (W) later.
 
-I computes only the gradients of the stage's inputs (what the previous stage waits for). On the
-way, it records the gradient flowing into every graph node where a parameter's own subgraph meets
+I computes the gradients of the stage's inputs (what the previous stage waits for). On the way, it
+records the gradient flowing into every graph node where a deferred parameter's own subgraph meets
 the path from the inputs to the outputs (the "intermediates", found as in torch's
 ``torch.distributed.pipelining._backward``). W starts from those nodes with those gradients and
-computes only the parameters' gradients, one parameter group at a time, so no input gradient is
+computes only those parameters' gradients, one parameter group at a time, so no input gradient is
 computed twice. Parameters whose subgraph never meets that path (all of them on a first stage,
 whose inputs are token ids) start from the stage outputs with the output gradients.
 

@@ -149,6 +149,25 @@ def test_w_computes_linear_weights_without_the_engine_walk_and_bit_exact(monkeyp
     torch.testing.assert_close(input_grad, ref_leaf.grad, rtol=0, atol=1e-12)
 
 
+def test_split_under_autocast_equals_one_backward_under_autocast():
+    """bf16 autocast (what `precision="bf16-mixed"` wraps the step in): the weights reach the products
+    through autocast's casts, W runs them through the engine, and every gradient equals one backward's."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[Block(16, 2) for _ in range(2)])
+    reference = copy.deepcopy(blocks)
+    x = torch.randn(2, 5, 16)
+    grad = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        leaf = x.clone().requires_grad_()
+        (input_grad,), weight_pass = backward_input([blocks(leaf)], [grad], [leaf])
+        weight_pass.run()
+        ref_leaf = x.clone().requires_grad_()
+        reference(ref_leaf).backward(grad)
+    for (name, p), q in zip(blocks.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert torch.equal(input_grad, ref_leaf.grad)
+
+
 def test_w_is_the_matrices_only_when_there_are_input_gradients():
     """On transformer blocks, W's work is exactly the matrix weights' products and I leaves no matrix
     gradient behind; norms and biases are done by I."""

@@ -117,6 +117,7 @@ def test_linear_weight_gradient_is_the_tensor_autograd_computes(bias, shape):
     assert accumulator.variable is layer.weight
     out.backward(grad)
     assert torch.equal(weight_grad, layer.weight.grad) and weight_grad.stride() == layer.weight.grad.stride()
+    assert not weight_grad.requires_grad  # computed as the engine computes it: no graph of its own
 
 
 def test_linear_weight_gradient_declines_other_products():
