@@ -100,7 +100,7 @@ def _run_once(runner, step_name, args, span, params, device, split: bool) -> dic
         if not split:
             torch.autograd.grad(outputs, params + inputs, None if span.is_last else grads, allow_unused=True)
             return {"B": now() - start}
-        _, weight_pass = backward_input(outputs, grads, inputs)
+        _, weight_pass = backward_input(outputs, grads, inputs, accumulate=False)
         middle = now()
         weight_pass.run(accumulate=False)
         return {"I": middle - start, "W": now() - middle}

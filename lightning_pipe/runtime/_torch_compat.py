@@ -46,16 +46,17 @@ foreach_mul_ = private_name("torch", "_foreach_mul_", "runtime/_torch_compat.py"
 
 def accumulate_from_edges(
     edges: tuple, grads: tuple[Tensor, ...], inputs: tuple[Tensor, ...], accumulate: bool = True
-) -> None:
+) -> tuple[Tensor | None, ...] | None:
     """``torch.autograd.backward(edges, grads, inputs=inputs, retain_graph=True)`` without its checks
-    (``accumulate=False``: ``torch.autograd.grad`` of the same, the result dropped).
+    (``accumulate=False``: ``torch.autograd.grad`` of the same, returning the gradients of ``inputs``).
 
     The zero-bubble W pass runs one engine call per parameter group with gradients the I pass
     captured from the same graph (their shapes and dtypes are the nodes' own), so the public call's
     validation of every gradient (``_make_grads``, about a tenth of a W pass on CPU) is skipped by
     calling the engine entry it ends in, the private ``torch.autograd.graph._engine_run_backward``.
     """
-    _ENGINE_RUN_BACKWARD(edges, grads, True, False, inputs, allow_unreachable=True, accumulate_grad=accumulate)
+    result = _ENGINE_RUN_BACKWARD(edges, grads, True, False, inputs, allow_unreachable=True, accumulate_grad=accumulate)
+    return None if accumulate else result
 
 
 def linear_weight_gradient(node: Node, grad: Tensor) -> tuple[Node, Tensor] | None:

@@ -161,7 +161,7 @@ def _groups(outputs: list[Node], inputs: list[Node], params: list[Node], reverse
 
 
 def backward_input(
-    outputs: list[Tensor], output_grads: list[Tensor | None], inputs: list[Tensor]
+    outputs: list[Tensor], output_grads: list[Tensor | None], inputs: list[Tensor], accumulate: bool = True
 ) -> tuple[list[Tensor | None], WeightPass]:
     """The I pass: gradients of ``inputs`` (None where unused), and what W needs.
 
@@ -169,6 +169,8 @@ def backward_input(
         outputs: the stage's outputs (or its loss) that carry gradients.
         output_grads: the gradient of each output (None: ones, for a scalar loss).
         inputs: the stage's floating-point inputs (leaves; those not requiring grad get None).
+        accumulate: False computes the vectors' gradients the same way and drops them (a measurement
+            of I's cost: no ``.grad`` and no gradient hook sees them), as ``WeightPass.run`` does.
 
     The parameters are every ``nn.Parameter`` the outputs depend on (found in the graph): when
     there are input gradients to compute, I accumulates the vectors' gradients on the way and W
@@ -196,8 +198,8 @@ def backward_input(
             for t in needs:
                 t.grad = None
             grads = tuple(torch.ones_like(o) if g is None else g for o, g in zip(outputs, output_grads, strict=True))
-            accumulate_from_edges(tuple(map(_edge, outputs)), grads, (*needs, *now))
-            computed = [t.grad for t in needs]
+            returned = accumulate_from_edges(tuple(map(_edge, outputs)), grads, (*needs, *now), accumulate)
+            computed = [t.grad for t in needs] if accumulate else list(returned[: len(needs)])
     finally:
         for handle in handles:
             handle.remove()
