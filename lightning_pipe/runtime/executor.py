@@ -28,6 +28,7 @@ is refused (nothing would perform it).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -208,11 +209,14 @@ class PipelineExecutor:
         if kind is ActionType.FORWARD:
             self._forward(stage, mb, outcome)
         elif kind is ActionType.BACKWARD:
-            self._backward(stage, mb, full=True)
+            with outside_autocast(self.device):
+                self._backward(stage, mb, full=True)
         elif kind is ActionType.BACKWARD_INPUT:
-            self._backward(stage, mb, full=False)
+            with outside_autocast(self.device):
+                self._backward(stage, mb, full=False)
         elif kind is ActionType.BACKWARD_WEIGHT:
-            self._backward_weight(stage, mb)
+            with outside_autocast(self.device):
+                self._backward_weight(stage, mb)
         elif kind is ActionType.SEND_F:
             outputs = self._slot(action).result.outputs
             self.p2p.send(outputs, self._peer(stage + 1, mb), ACTIVATION, stage, mb, describe=self._work.describe_shapes)
@@ -402,6 +406,20 @@ class PipelineExecutor:
         """Global rank that runs ``stage`` for ``microbatch`` (the stage's rank here; a subclass may
         route microbatches to replicas)."""
         return self.pipeline_ranks[self._program.rank_of(stage)]
+
+
+def outside_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a backward runs: outside the step's autocast, as in Lightning's own loop.
+
+    The strategy runs the whole pipelined step, backward included, inside the precision plugin's
+    ``train_step_context`` (autocast under ``bf16-mixed``), and the autograd engine applies an active
+    autocast to the backward's products: the weight gradients of a region the model runs in float32
+    (``torch.autocast(..., enabled=False)`` in its forward) would come out at bfloat16 precision. A
+    recomputed forward restores its own autocast state (``torch.utils.checkpoint`` records it).
+    """
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _release(slot: _Slot) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_pipe.runtime.executor import outside_autocast
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PointToPoint
 from lightning_pipe.schedules.ir import ActionType, Program
 
@@ -185,7 +186,8 @@ class SplitPlacementExecutor:
             pairs = [(t, g) for t, g in zip(floats, received, strict=True) if t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if roots:
-            torch.autograd.backward(roots, grads)
+            with outside_autocast(self.device):
+                torch.autograd.backward(roots, grads)
         input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in slot.inputs if _is_float(t)]
         self._slots[(stage, mb)] = _Slot([], input_grads=input_grads)  # only the gradients stay, for SEND_B
         if stage > 0 and self._program.backward_rank(stage - 1, mb) == self.pipeline_rank:

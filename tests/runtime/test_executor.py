@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blocks, owned_units, shard_module
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, StepWork
@@ -49,6 +50,29 @@ def _model() -> TinyGPT:
     return TinyGPT(layers=4).double()
 
 
+class _Float32RegionBlock(nn.Module):
+    """A residual MLP whose second layer the model runs in float32 under autocast."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        with torch.autocast("cpu", enabled=False):
+            return x + self.down(h.float())
+
+
+def _float32_region_model() -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4)
+    model.blocks = nn.ModuleList([_Float32RegionBlock(16) for _ in range(4)])
+    return model
+
+
+MODELS = {"tinygpt": _model, "float32-regions": _float32_region_model}
+
+
 class _RecordingExecutor(PipelineExecutor):
     """Records every backward it runs: ``(stage, microbatch, full)``."""
 
@@ -57,11 +81,14 @@ class _RecordingExecutor(PipelineExecutor):
         super()._backward(stage, mb, full)
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str, lengths: list[int] = LENGTHS) -> None:
+def _worker(
+    rank: int, world: int, init_file: str, out_dir: str, schedule: str, lengths: list[int] = LENGTHS,
+    model_name: str = "tinygpt", autocast: bool = False,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model = _model()
+        model = MODELS[model_name]()
         model.log = lambda *args, **kwargs: None  # no trainer attached
         stack = find_blocks(model)
         family, _, merged = schedule.partition("+")
@@ -76,7 +103,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, schedule: str, 
         executor.backwards = []
         same = len(set(lengths)) == 1
         work = StepWork("training_step", [(mb, 0) for mb in _microbatches(lengths)], [1.0] * len(lengths), same_shapes=same)
-        outcome = executor.run(program, spans, work)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as bf16-mixed's train_step_context
+            outcome = executor.run(program, spans, work)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         torch.save(
             {"grads": grads, "losses": outcome.losses, "early": p2p.early, "backwards": executor.backwards,
@@ -94,6 +122,18 @@ def _reference(lengths: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tenso
     losses = torch.stack([reference.training_step(mb, 0) for mb in _microbatches(lengths)])
     losses.sum().backward()
     return {n: p.grad for n, p in reference.named_parameters()}, losses.detach()
+
+
+def _autocast_reference(lengths: list[int]) -> dict[str, torch.Tensor]:
+    """Lightning's bf16-mixed in one process: each microbatch's forward under autocast, its backward
+    outside (Lightning's loop leaves the training step's context before it)."""
+    reference = _float32_region_model()
+    reference.log = lambda *args, **kwargs: None
+    for mb in _microbatches(lengths):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = reference.training_step(mb, 0)
+        loss.backward()
+    return {n: p.grad for n, p in reference.named_parameters()}
 
 
 def _assert_same_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -127,3 +167,19 @@ def test_a_program_with_merged_pairs_runs_each_b_whole_and_each_i_split(tmp_path
         kinds |= {kind for kind, _, _ in part["actions"]}
     assert {"B", "I", "W"} <= kinds  # both paths ran
     _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], _reference(LENGTHS)[0])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_backward_runs_outside_the_steps_autocast(tmp_path, schedule):
+    """Under bf16 autocast (the strategy runs the step, backward included, in the precision plugin's
+    context) every backward runs as Lightning's does, outside it: a block's float32 region keeps its
+    weight gradients at float32 precision (autocast inside the engine would compute them in bf16)."""
+    mp.spawn(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule, LENGTHS, "float32-regions", True),
+        nprocs=2, join=True,
+    )
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    got, expected = parts[0]["grads"] | parts[1]["grads"], _autocast_reference(LENGTHS)
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
