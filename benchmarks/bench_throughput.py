@@ -603,7 +603,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--breakdown", action="store_true", help="where lightning-pipe's step goes (monitor)")
     parser.add_argument(
         "--interleave", action="store_true",
-        help="with --pairs: one pair of processes, a torch step after every lightning-pipe step",
+        help="with --pairs: one pair of processes, a torch step beside every lightning-pipe step",
     )
     parser.add_argument("--worker", choices=[*CONFIGS, "interleaved"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -613,6 +613,8 @@ def parse_args() -> argparse.Namespace:
             f"Need an even `--global-batch` divisible by `--microbatches` and `--n-layer` >= 2; "
             f"got {args.global_batch}, {args.microbatches}, {args.n_layer}."
         )
+    if args.interleave and not args.pairs:
+        parser.error("`--interleave` alternates the rows of `--pairs` rounds: give `--pairs N` too.")
     return args
 
 
