@@ -13,12 +13,13 @@ the critical path): a stage's gradients right after it sent the activations they
 when the step's microbatches share their shapes (``StepWork.same_shapes``), the next microbatch's
 activations as soon as this one's arrived.
 
-Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes only the input
-gradients and records the gradients at the nodes where each parameter's subgraph meets the input
-path; ``W`` starts there and computes only the weight gradients. Together they cost one backward's
-FLOPs but more time (the products of ``W`` read the kept gradients back from memory: 15-25% over ``B``
-on CPU), so the strategy runs a pair as one ``B`` where splitting it buys nothing
-(``schedules/backward_merging.py``); the executor runs the program it is given.
+Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes the input gradients
+(and the norms' and biases' on its way) and records the gradients at the nodes where each matrix
+parameter's subgraph meets the input path; ``W`` starts there and computes the matrices' gradients.
+Together they cost one backward's FLOPs but more time (the products of ``W`` read the kept gradients
+back from memory: 14-24% over ``B`` for a 2-block GPT stage on CPU), so the strategy runs a pair as one
+``B`` where splitting it buys nothing (``schedules/backward_merging.py``); the executor runs the
+program it is given. Every backward action runs outside the step's autocast (:func:`outside_autocast`).
 
 Memory actions (``RECOMPUTE``, ``OFFLOAD``, ``RELOAD``, written by the strategy from its memory plan)
 are markers: the pair's blocks recompute and offload through the block wrapper armed for that
@@ -135,6 +136,9 @@ class _Slot:
     kept: list[Tensor] = field(default_factory=list)  # the step's output and logs holding the graph (last stage)
 
 
+_BACKWARDS = frozenset({ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT})
+
+
 class PipelineExecutor:
     """Runs programs on one pipeline rank.
 
@@ -208,15 +212,12 @@ class PipelineExecutor:
         kind, stage, mb = action.type, action.stage, action.microbatch
         if kind is ActionType.FORWARD:
             self._forward(stage, mb, outcome)
-        elif kind is ActionType.BACKWARD:
+        elif kind in _BACKWARDS:
             with outside_autocast(self.device):
-                self._backward(stage, mb, full=True)
-        elif kind is ActionType.BACKWARD_INPUT:
-            with outside_autocast(self.device):
-                self._backward(stage, mb, full=False)
-        elif kind is ActionType.BACKWARD_WEIGHT:
-            with outside_autocast(self.device):
-                self._backward_weight(stage, mb)
+                if kind is ActionType.BACKWARD_WEIGHT:
+                    self._backward_weight(stage, mb)
+                else:
+                    self._backward(stage, mb, full=kind is ActionType.BACKWARD)
         elif kind is ActionType.SEND_F:
             outputs = self._slot(action).result.outputs
             self.p2p.send(outputs, self._peer(stage + 1, mb), ACTIVATION, stage, mb, describe=self._work.describe_shapes)

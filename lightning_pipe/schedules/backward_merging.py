@@ -3,8 +3,8 @@
 A zero-bubble family splits every backward so that some ``W`` can be deferred into what would be a
 bubble. Most of its ``W`` are not deferred at all: the program runs them right after their ``I``, or
 after nothing but the sends that ``I``'s gradient feeds. Split, such a pair costs more than one full
-backward: measured on CPU, ``I + W`` adjacent is 1.15x a ``B`` and a ``W`` deferred further 1.23x,
-because ``W``'s products read back the gradients and activations that ``B`` would use at once
+backward: measured on CPU, a 2-block GPT stage's ``I + W`` is 1.14-1.24x its ``B``, because
+``W``'s products read back the gradients and activations that ``B`` would use at once
 (``docs/schedules.md``). Merged, the pair runs as one ``B`` at ``I``'s place and its sends leave after
 it, later by ``W``'s time, which matters only where the receiving rank waits for them.
 

@@ -195,7 +195,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         merge_split_backward: for zero-bubble families (``I`` and ``W``), run a pair's ``I`` and ``W`` as one
             full backward where the program runs the ``W`` right after its ``I`` (any sends between them then
             leave after it) and the simulator finds that splitting it does not make the step shorter
-            (``schedules.backward_merging``): on CPU a split pair costs 15-23% more than one backward.
+            (``schedules.backward_merging``): on CPU a split pair costs 14-24% more than one backward.
             Exact either way; False runs every split as the family writes it.
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
             writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
