@@ -140,3 +140,35 @@ def function_modes_removed(remove: Callable[[Any], bool]) -> Iterator[None]:
             _pop_mode()
         for mode in stack:
             _push_mode(mode)
+
+
+_AUTOCAST = torch.amp.autocast_mode.autocast  # what ``torch.autocast`` and ``torch.amp.autocast`` name
+
+
+@contextlib.contextmanager
+def meta_autocast_disabled() -> Iterator[None]:
+    """While active, ``torch.autocast("meta", ...)`` is a disabled autocast instead of an error.
+
+    Blocks of other stages, and the whole step in the cost probe, run on meta tensors; a model that
+    opens ``torch.autocast(x.device.type, enabled=False)`` around a float32 region (routers, norms,
+    rotary tables) then asks torch for autocast on the ``meta`` device, which it refuses
+    ("unsupported scalarType"). Meta tensors are never autocast, so a disabled context is exactly
+    what the region does there. It replaces ``autocast.__init__`` for the duration (every name of
+    the class, including ``from torch import autocast``, sees it) and leaves other devices alone.
+    """
+    original = _AUTOCAST.__init__
+    if getattr(original, "_lightning_pipe_meta", False):  # nested: already in place
+        yield
+        return
+
+    def __init__(self, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
+        if device_type == "meta":
+            device_type, enabled = "cpu", False  # CPU autocast never applies to meta tensors; off besides
+        original(self, device_type, dtype, enabled, cache_enabled)
+
+    __init__._lightning_pipe_meta = True  # type: ignore[attr-defined]
+    _AUTOCAST.__init__ = __init__
+    try:
+        yield
+    finally:
+        _AUTOCAST.__init__ = original

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lightning_pipe.model._torch_compat import (
     PYTREE_NODES,
     function_modes_removed,
+    meta_autocast_disabled,
     tree_flatten,
     tree_leaves,
     tree_map,
@@ -427,7 +428,7 @@ class StageRunner:
         self._active = run
         recorded: list[LogCall] = []
         try:
-            with self._capture_logs(recorded), run.mode:
+            with self._capture_logs(recorded), meta_autocast_disabled(), run.mode:
                 try:
                     run.result.step_output = getattr(self.root, step_name)(*step_args)
                 except _StageBoundary as boundary:
@@ -473,7 +474,7 @@ class StageRunner:
         self._active = run
         recorded: list[LogCall] = []
         try:
-            with self._capture_logs(recorded), run.mode, torch.no_grad():
+            with self._capture_logs(recorded), meta_autocast_disabled(), run.mode, torch.no_grad():
                 output = getattr(self.root, step_name)(*step_args)
                 results = [("the value the step returns", output)] + [
                     (f"the logged value {c.name!r}", c.value) for c in recorded

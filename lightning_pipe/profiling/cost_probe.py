@@ -59,6 +59,7 @@ from lightning_pipe.profiling.unit_tracker import (
 from lightning_pipe.runtime._torch_compat import (
     TorchDispatchMode,
     flash_attention_cpu_ops,
+    meta_autocast_disabled,
     tensor_registries,
     tree_flatten,
     tree_map,
@@ -369,7 +370,8 @@ def count_units(
         microbatch = resize_microbatch(step_args[0], num_sequences, length, device=torch.device("cpu"))
         batch_tensors = [t for t in tree_flatten(microbatch)[0] if isinstance(t, Tensor)]
         functions = _MetaFunctions(torch.device("cpu"), batch_tensors)
-        with metrics_untouched(root), _on_meta(root) as params, _silent_log(root), tracker, torch.enable_grad():
+        with metrics_untouched(root), _on_meta(root) as params, _silent_log(root), tracker, torch.enable_grad(), \
+                meta_autocast_disabled():
             saved = SavedBytes(tracker, params + batch_tensors + list(functions.meta_of.values()))
             try:
                 with functions, work, saved.hooks():

@@ -15,7 +15,14 @@ from torch import Tensor
 from torch.autograd.graph import Node
 
 # shared with model/ (which cannot import this layer): one definition each
-from lightning_pipe.model._torch_compat import private_name, tensor_registries, tree_flatten, tree_map, tree_unflatten
+from lightning_pipe.model._torch_compat import (
+    meta_autocast_disabled,
+    private_name,
+    tensor_registries,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 
 __all__ = [
     "TorchDispatchMode",
@@ -24,6 +31,7 @@ __all__ = [
     "foreach_mul_",
     "grad_output_count",
     "linear_weight_gradient",
+    "meta_autocast_disabled",
     "op_argument_names",
     "record_found_inf",
     "tensor_version",

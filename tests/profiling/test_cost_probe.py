@@ -148,6 +148,33 @@ def test_meta_probe_leaves_the_module_and_random_state_untouched():
     assert "log" not in vars(model)  # the silenced self.log is gone
 
 
+class _Float32Region(torch.nn.Module):
+    """A block whose second half runs in float32 under any autocast, written as models write it."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return self.block(x.float())
+
+
+def test_a_block_with_an_autocast_region_on_its_inputs_device_is_probed_on_meta():
+    """On meta tensors ``x.device.type`` is ``"meta"``, for which torch refuses an autocast context; the
+    probe counts such a block as the plain one (meta tensors are never autocast)."""
+    plain = TinyGPT(layers=2)
+    regions = TinyGPT(layers=2)
+    regions.load_state_dict(plain.state_dict())
+    regions.blocks = torch.nn.ModuleList([_Float32Region(block) for block in regions.blocks])
+    args, shapes = (_ids(32, 2, 9), 0), [(2, 9)]
+    got = count_units(regions, find_blocks(regions), "training_step", args, shapes)
+    expected = count_units(plain, find_blocks(plain), "training_step", args, shapes)
+    assert [(c.forward_flops, c.backward_flops, c.output_bytes) for c in got] == [
+        (c.forward_flops, c.backward_flops, c.output_bytes) for c in expected
+    ]
+
+
 class _ReadsValues(TinyGPT):
     def training_step(self, batch, batch_idx):
         if self(batch[:, :-1]).max().item() > 1000:  # a decision on computed values: impossible on meta

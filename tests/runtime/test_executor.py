@@ -59,7 +59,9 @@ class _Float32RegionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.up(x))
-        with torch.autocast("cpu", enabled=False):
+        # as models write it: on a later stage the blocks before it run on meta, where torch refuses
+        # an autocast context (model/_torch_compat.meta_autocast_disabled)
+        with torch.autocast(x.device.type, enabled=False):
             return x + self.down(h.float())
 
 

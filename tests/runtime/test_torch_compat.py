@@ -217,3 +217,20 @@ def test_tensor_version_counts_in_place_changes():
     tensor[0] = 5.0
     assert compat.tensor_version(tensor) == before + 2
     assert compat.tensor_version(tensor + 1) == 0  # a new tensor
+
+
+def test_meta_autocast_disabled_makes_autocast_on_meta_a_disabled_context_and_only_that():
+    from torch import autocast  # a name bound before the context: it must see the change too
+
+    from lightning_pipe.model._torch_compat import meta_autocast_disabled
+
+    with pytest.raises(RuntimeError):
+        torch.autocast("meta", enabled=False)  # what torch does without it (the reason it exists)
+    x = torch.ones(2, 2, device="meta")
+    with meta_autocast_disabled(), meta_autocast_disabled():  # nested
+        with autocast("meta", enabled=False), torch.autocast("meta", dtype=torch.bfloat16):
+            assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # other devices untouched
+            assert torch.is_autocast_enabled("cpu") and (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError):
+        torch.autocast("meta")  # restored on exit
