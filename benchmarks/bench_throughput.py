@@ -34,10 +34,14 @@ Run from the repository root (about one and a half minutes on 2 cores):
     python benchmarks/bench_throughput.py --pairs 5 --breakdown     # torch-1f1b vs lightning-pipe
     python benchmarks/bench_throughput.py --pairs 5 --schedules 1f1b zb_h1 zbv
     python benchmarks/bench_throughput.py --pairs 7 --schedules 1f1b zbv --interleave
+    python benchmarks/bench_throughput.py --pairs 7 --schedules zbv zbv@auto --interleave
 
 ``--pairs N`` runs torch's Schedule1F1B and lightning-pipe (under each family of ``--schedules``,
 default 1f1b) N rounds, rotating the order every round, and prints each round's throughput ratios
-and their medians, and the CPU time per step of every rank. ``--breakdown`` adds the
+and their medians, and the CPU time per step of every rank. A row may name its partition:
+``zbv@auto`` runs ``partition="auto"`` (the partition whose simulated step is fastest for the
+longest batch, under the meta-device cost model), ``zbv@2-1-3-2`` blocks per stage; without ``@``
+the strategy's default ``"balanced"``. ``--breakdown`` adds the
 ``PipelineMonitor`` to the lightning-pipe runs and prints where rank 0's step went (compute,
 receive waits, sends, the executor between actions, everything outside the program) and the compute
 of each kind of action on both ranks (``F``, ``B``; ``I`` and ``W`` for zero-bubble families: what the
@@ -380,7 +384,7 @@ def lightning_pipe_result(args: argparse.Namespace, callbacks: list = (), first:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategy_class(schedule=args.schedule, num_microbatches=args.microbatches),
+        strategy=strategy_class(num_microbatches=args.microbatches, **strategy_options(args.schedule)),
         max_steps=args.warmup + args.steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -395,6 +399,21 @@ def lightning_pipe_result(args: argparse.Namespace, callbacks: list = (), first:
     )
     trainer.fit(build_model(args), torch.utils.data.DataLoader(data, batch_size=None))
     return measured[0], trainer
+
+
+def strategy_options(row: str) -> dict:
+    """The strategy's arguments for a lightning-pipe row ``FAMILY[@PARTITION]``: ``zbv``, ``zbv@auto``
+    (``partition="auto"``: the simulated-fastest partition for the longest batch, strategies/costs.py),
+    ``zbv@2-1-3-2`` (blocks per stage); without ``@``, the strategy's default ``"balanced"``."""
+    schedule, _, partition = row.partition("@")
+    if not partition:
+        return {"schedule": schedule}
+    if partition in ("auto", "balanced"):
+        return {"schedule": schedule, "partition": partition}
+    try:
+        return {"schedule": schedule, "partition": [int(blocks) for blocks in partition.split("-")]}
+    except ValueError:
+        raise ValueError(f"`{row}`: a row is FAMILY[@PARTITION], PARTITION auto, balanced or blocks per stage (2-1-3-2)") from None
 
 
 # ----------------------------------------------------------------------------- steps interleaved
@@ -598,7 +617,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pairs", type=int, default=0, help="rotate torch-1f1b and lightning-pipe N rounds")
-    parser.add_argument("--schedules", nargs="+", default=["1f1b"], help="lightning-pipe families in --pairs")
+    parser.add_argument(
+        "--schedules", nargs="+", default=["1f1b"],
+        help="lightning-pipe rows in --pairs: FAMILY[@PARTITION] (zbv, zbv@auto, zbv@2-1-3-2)",
+    )
     parser.add_argument("--schedule", default="1f1b", help="the lightning-pipe run's family (one run)")
     parser.add_argument("--breakdown", action="store_true", help="where lightning-pipe's step goes (monitor)")
     parser.add_argument(
@@ -613,6 +635,11 @@ def parse_args() -> argparse.Namespace:
             f"Need an even `--global-batch` divisible by `--microbatches` and `--n-layer` >= 2; "
             f"got {args.global_batch}, {args.microbatches}, {args.n_layer}."
         )
+    for row in {args.schedule, *args.schedules}:
+        try:
+            strategy_options(row)
+        except ValueError as error:
+            parser.error(str(error))
     if args.interleave and not args.pairs:
         parser.error("`--interleave` alternates the rows of `--pairs` rounds: give `--pairs N` too.")
     return args
