@@ -31,8 +31,11 @@ def owned_units(boundaries: tuple[int, ...] | list[int], stages: tuple[int, ...]
 def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: torch.device) -> None:
     """Move the tensors ``units`` need (and replicated buffers) to ``device``; all others become meta, in place.
 
-    Parameters are replaced by new ``nn.Parameter`` objects (a tensor cannot change between meta and
-    a real device in place), so call this before optimizers are created. Tensors registered under
+    Parameters that change device are replaced by new ``nn.Parameter`` objects (a tensor cannot change
+    between meta and a real device in place), so call this before optimizers are created; those
+    already where they belong (on ``device``, or on meta when not owned) stay themselves, so sharding
+    again for the same units (``trainer.test`` after ``trainer.fit`` in the same processes) leaves
+    the optimizers' parameters those of the module. Tensors registered under
     several names stay shared. Owned tensors that are still on the meta device (a module built under
     ``trainer.init_module(empty_init=True)``) are allocated uninitialized on ``device``, to be filled
     from a checkpoint, as with any empty initialization.
@@ -47,8 +50,8 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
                     continue
                 if id(tensor) not in replaced:
                     keep = prefix + name in owned
-                    if not keep:
-                        new = torch.empty_like(tensor, device="meta")
+                    if not keep:  # one already on meta stays itself: optimizers made before hold it
+                        new = tensor if tensor.is_meta else torch.empty_like(tensor, device="meta")
                     elif tensor.is_meta:
                         new = torch.empty_like(tensor, device=device)
                     else:

@@ -98,6 +98,12 @@ def create_process_groups(layout: RankLayout, timeout: timedelta | None = None) 
     return ProcessGroups(layout, pipeline, data_parallel, ends, outcome)
 
 
+def default_group() -> dist.ProcessGroup | None:
+    """This process's default process group: a new object whenever it is destroyed and made again
+    (groups made from an earlier one cannot be used then)."""
+    return dist.group.WORLD
+
+
 def destroy_default_group() -> None:
     """End this process's default process group if it has one (a worker's own, before it exits)."""
     if dist.is_available() and dist.is_initialized():

@@ -58,7 +58,7 @@ from lightning_pipe.runtime import (
     create_process_groups,
 )
 from lightning_pipe.runtime.failures import naming_failures
-from lightning_pipe.runtime.groups import destroy_default_group_at_exit
+from lightning_pipe.runtime.groups import default_group, destroy_default_group_at_exit
 from lightning_pipe.runtime.loss_weights import (
     DeferredNormalization,
     LossWeights,
@@ -276,6 +276,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.boundaries: tuple[int, ...] = ()
         # set up in `setup_environment` / `_shard` / `_install`; declared here so the object has one shape
         self.groups: ProcessGroups | None = None
+        self._groups_made_for: tuple | None = None  # (default group, world size, layout) the groups were made for
         self._outcome_channel: OutcomeChannel | None = None  # the step's loss and logs to the pipeline
         self.unit_layout: UnitLayout | None = None
         self.runner: StageRunner | None = None
@@ -419,11 +420,14 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self.set_world_ranks()
         compat._init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         destroy_default_group_at_exit()
-        self.groups = create_process_groups(self.layout, timeout=self._timeout)
-        self._outcome_channel = None if self.groups.outcome is None else OutcomeChannel(self.groups.outcome)
-        if self.regrouping is not None:
-            self.regrouping.create_groups(self.world_size, self._timeout)
-        self.sharded_checkpoints.group = create_checkpoint_group(self._timeout)
+        made_for = (default_group(), self.world_size, self.layout)
+        if self._groups_made_for != made_for:  # fit, validate and test in the same processes share one set
+            self.groups = create_process_groups(self.layout, timeout=self._timeout)
+            self._outcome_channel = None if self.groups.outcome is None else OutcomeChannel(self.groups.outcome)
+            if self.regrouping is not None:
+                self.regrouping.create_groups(self.world_size, self._timeout)
+            self.sharded_checkpoints.group = create_checkpoint_group(self._timeout)
+            self._groups_made_for = made_for
         self.sharded_checkpoints.global_rank = self.global_rank
         if self._plan_mode == "auto":
             install_auto_planner(self.lightning_module.trainer)

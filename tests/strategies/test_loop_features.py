@@ -273,3 +273,66 @@ def test_predict_returns_predictions_in_order():
     assert [p.shape for p in predictions] == [e.shape for e in expected] == [(5, t, 32) for t in (6, 9, 4)]
     for got, want in zip(predictions, expected):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+# --- several trainer calls in the same processes ----------------------------------------------------
+
+
+def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None:
+    """One rank of processes started outside Lightning (as torchrun starts them): fit, validate and
+    test run in these processes, one after the other."""
+    import os
+
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_pipe import ElasticPipelineStrategy
+    from tests.helpers.loop import SEED
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        L.seed_everything(SEED, verbose=False)
+        model = EvalGPT(layers=4).double()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
+            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0,
+        )
+        batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
+        trainer.fit(model, loader(batches))
+        groups = trainer.strategy.groups
+        made = (groups.pipeline, groups.outcome, trainer.strategy.sharded_checkpoints.group)
+        validated = trainer.validate(model, loader(batches))
+        tested = trainer.test(model, loader(batches))
+        groups = trainer.strategy.groups
+        reused = (groups.pipeline, groups.outcome, trainer.strategy.sharded_checkpoints.group)
+        trainer.save_checkpoint(os.path.join(out_dir, "after-test.ckpt"))  # the checkpoint group still works
+        torch.save(
+            {"same_groups": all(a is b for a, b in zip(made, reused)), "validated": validated, "tested": tested},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fit_validate_and_test_in_the_same_processes_share_one_set_of_process_groups(tmp_path):
+    """Processes started outside Lightning run every trainer call in place; each call sets the strategy
+    up again. Its process groups are made once (gloo groups hold sockets and threads until destroyed)
+    and the calls return what one process returns."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fit_validate_test_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(part["same_groups"] for part in parts)
+
+    batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
+    model, trainer, _ = run(lambda: EvalGPT(layers=4).double(), batches, max_steps=2)
+    expected = {"validated": trainer.validate(model, loader(batches)), "tested": trainer.test(model, loader(batches))}
+    for part in parts:
+        for call in ("validated", "tested"):
+            assert part[call][0].keys() == expected[call][0].keys()
+            for name, value in expected[call][0].items():
+                _close(part[call][0][name], value)
+    assert (tmp_path / "after-test.ckpt").exists()
