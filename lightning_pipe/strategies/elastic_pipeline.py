@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -280,6 +280,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._outcome_channel: OutcomeChannel | None = None  # the step's loss and logs to the pipeline
         self.unit_layout: UnitLayout | None = None
         self.runner: StageRunner | None = None
+        self._sharded_module: nn.Module | None = None  # the module this strategy sharded last (its plan holds it)
         self.executor: PipelineExecutor | None = None
         self.program: Program | None = None
         self.eval_program: Program | None = None
@@ -519,11 +520,26 @@ class ElasticPipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         stack = find_blocks(module, self._blocks)
         self.unit_layout = analyze_units(module, stack)
-        num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
-        boundaries = initial_partition(self._setup_partition_spec, module, self.unit_layout, num_stages)
-        self._install(PipelinePlan(boundaries, self.schedule, self.num_microbatches))
+        if self._sharded_module is module:
+            # set up again in the same processes (validate or test after fit): each rank holds only what the
+            # last plan gave it, so that plan stays; another partition would find owned tensors on meta
+            plan = self.plan
+            if plan.widths is not None:
+                raise RuntimeError(
+                    f"`trainer.{trainer.state.fn.value}` after a fit that changed the pipeline's depth "
+                    "(`elastic_depth`), in the same processes and with the same module: its parameters are spread "
+                    "over a layout this call cannot set up. Save a checkpoint at the end of the fit and load it "
+                    "into a new module for this call (`trainer.validate(model, ckpt_path=...)`)."
+                )
+            plan = PipelinePlan(plan.boundaries, plan.schedule, self.num_microbatches)
+        else:
+            num_stages = self.pipeline_parallel_size * self.schedule.stages_per_rank
+            boundaries = initial_partition(self._setup_partition_spec, module, self.unit_layout, num_stages)
+            plan = PipelinePlan(boundaries, self.schedule, self.num_microbatches)
+        self._install(plan)
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
         shard_module(module, self.unit_layout, owned, self.root_device)
+        self._sharded_module = module
         self.runner = StageRunner(module, stack, device=self.root_device)
         self._observed = {}  # step name -> StepObservation (units by use; see _observe)
         self.executor = (PipelineExecutor if self.regrouping is None else LayoutExecutor)(

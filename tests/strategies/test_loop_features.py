@@ -279,15 +279,21 @@ def test_predict_returns_predictions_in_order():
 
 
 def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None:
-    """One rank of processes started outside Lightning (as torchrun starts them): fit, validate and
-    test run in these processes, one after the other."""
+    """One rank of processes started outside Lightning (as torchrun starts them): fit (which moves a
+    block to the other rank at its first batch), validate and test run in these processes, one after
+    the other."""
     import os
 
     import lightning as L
     import torch.distributed as dist
 
-    from lightning_pipe import ElasticPipelineStrategy
+    from lightning_pipe import ElasticPipelineStrategy, PlanProposal
     from tests.helpers.loop import SEED
+
+    class MoveBlock(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:  # balanced is (0, 2, 4): block 1 moves from rank 0 to rank 1
+                trainer.strategy.propose(PlanProposal("move", boundaries=(0, 1, 4)))
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     torch.set_num_threads(1)
@@ -298,7 +304,7 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
             max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0,
+            enable_model_summary=False, num_sanity_val_steps=0, callbacks=[MoveBlock()],
         )
         batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
         trainer.fit(model, loader(batches))
@@ -310,22 +316,25 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
         reused = (groups.pipeline, groups.outcome, trainer.strategy.sharded_checkpoints.group)
         trainer.save_checkpoint(os.path.join(out_dir, "after-test.ckpt"))  # the checkpoint group still works
         torch.save(
-            {"same_groups": all(a is b for a, b in zip(made, reused)), "validated": validated, "tested": tested},
+            {"same_groups": all(a is b for a, b in zip(made, reused)), "validated": validated, "tested": tested,
+             "boundaries": trainer.strategy.boundaries},
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:
         dist.destroy_process_group()
 
 
-def test_fit_validate_and_test_in_the_same_processes_share_one_set_of_process_groups(tmp_path):
+def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_partition(tmp_path):
     """Processes started outside Lightning run every trainer call in place; each call sets the strategy
-    up again. Its process groups are made once (gloo groups hold sockets and threads until destroyed)
-    and the calls return what one process returns."""
+    up again. Its process groups are made once (gloo groups hold sockets and threads until destroyed),
+    validate and test keep the partition the fit ended with (each rank holds only its blocks: the
+    initial partition would leave a moved block uninitialized, a silently wrong loss), and the calls
+    return what one process returns."""
     import torch.multiprocessing as mp
 
     mp.spawn(_fit_validate_test_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert all(part["same_groups"] for part in parts)
+    assert all(part["same_groups"] and part["boundaries"] == (0, 1, 4) for part in parts)
 
     batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
     model, trainer, _ = run(lambda: EvalGPT(layers=4).double(), batches, max_steps=2)
