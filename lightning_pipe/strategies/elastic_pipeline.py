@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -122,6 +123,11 @@ log = logging.getLogger(__name__)
 
 PartitionSpec = Union[Literal["uniform", "balanced", "auto"], list[int]]
 ScheduleSpec = Union[str, dict[str, Any], Schedule]
+
+
+_PLACEMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per module sharded in this process, by any strategy: ``ElasticPipelineStrategy._placement()`` of the
+strategy that placed it last. A later strategy that shards it again gathers from there."""
 
 
 class ElasticPipelineStrategy(ParallelStrategy):
@@ -538,8 +544,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
             plan = PipelinePlan(boundaries, self.schedule, self.num_microbatches)
         self._install(plan)
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
+        previous = _PLACEMENTS.get(module)
+        if previous is not None and self._sharded_module is not module:
+            self._gather_owned(module, previous, owned)
         shard_module(module, self.unit_layout, owned, self.root_device)
         self._sharded_module = module
+        _PLACEMENTS[module] = self._placement()
         self.runner = StageRunner(module, stack, device=self.root_device)
         self._observed = {}  # step name -> StepObservation (units by use; see _observe)
         self.executor = (PipelineExecutor if self.regrouping is None else LayoutExecutor)(
@@ -564,6 +574,31 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._sample_mixing = bool(find_sample_mixing_modules(module))
         self.metric_states = MetricStates(module, self.groups.data_parallel)
         self._short_programs = {}
+
+    def _placement(self) -> tuple[tuple[int, ...], dict[str, frozenset[int]]]:
+        """Where the module's tensors are: the pipeline's global ranks, and per tensor name the pipeline
+        ranks that hold it for real (what :data:`_PLACEMENTS` keeps)."""
+        return tuple(self.layout.pipeline_ranks()), holders_of(self.unit_layout, self._unit_owners())
+
+    def _gather_owned(self, module: nn.Module, previous: tuple, owned: set[int]) -> None:
+        """Before sharding a module another strategy of these processes sharded (a new Trainer after a
+        fit, under torchrun): bring each rank the tensors it now owns from the ranks that hold them,
+        as a plan change does. Without it they would be allocated uninitialized wherever the previous
+        pipeline left them on meta."""
+        ranks, old_holders = previous
+        if ranks != tuple(self.layout.pipeline_ranks()):
+            raise RuntimeError(
+                f"`{type(module).__name__}` was sharded in these processes by a pipeline over global ranks "
+                f"{list(ranks)}, and this strategy's pipeline runs over {self.layout.pipeline_ranks()}: each rank "
+                "holds only its old stages, which this layout cannot gather. Pass a new module for this call, or "
+                "load a checkpoint of the trained one into a new module (`ckpt_path=...`)."
+            )
+        transfers = plan_transfers(old_holders, holders_of(self.unit_layout, self._unit_owners()))
+        if transfers:
+            migrate(
+                module, transfers, self.unit_layout.needed_names(owned), self.layout.pipeline_rank,
+                self.layout.pipeline_ranks(), self.groups.pipeline, [], self.root_device,
+            )
 
     def _context(self) -> PipelineContext:
         """What the memory and cost helpers read of this strategy (strategies/context.py)."""
@@ -770,6 +805,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if keepers:
             self.regrouping.keep_gradients(self.lightning_module, new_holders, keepers, self.global_rank)
         self.unit_layout = layout
+        _PLACEMENTS[self.lightning_module] = self._placement()
         self.runner.parameters_changed()
         self._shared = self._shared_parameters()
         if shared_moves:

@@ -298,26 +298,33 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+
+    def new_trainer(**kwargs) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", devices=2, strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
+            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
+        )
+
     try:
         L.seed_everything(SEED, verbose=False)
         model = EvalGPT(layers=4).double()
-        trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
-            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, callbacks=[MoveBlock()],
-        )
+        trainer = new_trainer(callbacks=[MoveBlock()])
         batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
         trainer.fit(model, loader(batches))
         groups = trainer.strategy.groups
         made = (groups.pipeline, groups.outcome, trainer.strategy.sharded_checkpoints.group)
         validated = trainer.validate(model, loader(batches))
         tested = trainer.test(model, loader(batches))
+        boundaries = trainer.strategy.boundaries
         groups = trainer.strategy.groups
         reused = (groups.pipeline, groups.outcome, trainer.strategy.sharded_checkpoints.group)
         trainer.save_checkpoint(os.path.join(out_dir, "after-test.ckpt"))  # the checkpoint group still works
+        # a new Trainer (balanced partition again) on the module the first one left sharded
+        revalidated = new_trainer().validate(model, loader(batches))
         torch.save(
             {"same_groups": all(a is b for a, b in zip(made, reused)), "validated": validated, "tested": tested,
-             "boundaries": trainer.strategy.boundaries},
+             "revalidated": revalidated, "boundaries": boundaries},
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:
@@ -328,8 +335,9 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
     """Processes started outside Lightning run every trainer call in place; each call sets the strategy
     up again. Its process groups are made once (gloo groups hold sockets and threads until destroyed),
     validate and test keep the partition the fit ended with (each rank holds only its blocks: the
-    initial partition would leave a moved block uninitialized, a silently wrong loss), and the calls
-    return what one process returns."""
+    initial partition would leave a moved block uninitialized, a silently wrong loss), a new Trainer on
+    the same module gathers each rank's blocks from where the first one left them, and every call
+    returns what one process returns."""
     import torch.multiprocessing as mp
 
     mp.spawn(_fit_validate_test_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
@@ -339,8 +347,9 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
     batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
     model, trainer, _ = run(lambda: EvalGPT(layers=4).double(), batches, max_steps=2)
     expected = {"validated": trainer.validate(model, loader(batches)), "tested": trainer.test(model, loader(batches))}
+    expected["revalidated"] = expected["validated"]
     for part in parts:
-        for call in ("validated", "tested"):
+        for call in ("validated", "tested", "revalidated"):
             assert part[call][0].keys() == expected[call][0].keys()
             for name, value in expected[call][0].items():
                 _close(part[call][0][name], value)
