@@ -57,8 +57,11 @@ class WeightPass:
         """Accumulate the weight gradients into ``.grad``; the W action. ``accumulate=False`` computes
         them the same way and drops them (what a measurement of W's cost needs: no ``.grad`` and no
         gradient hook sees them)."""
+        direct: list[tuple[Node, Tensor]] = []  # (weight's accumulator, its gradient): accumulated in one call
         for group in self.groups:
-            if _linear_weight(group, accumulate):
+            found = _linear_weight(group)
+            if found is not None:
+                direct.append(found)
                 continue
             edges, grads = [], []
             for node, captured in group.grads.items():
@@ -77,25 +80,24 @@ class WeightPass:
             finally:
                 for handle in handles:
                     handle.remove()
+        if direct and accumulate:  # one engine call from the accumulators: nothing else to walk
+            accumulate_from_edges(
+                tuple(GradientEdge(node, 0) for node, _ in direct), tuple(grad for _, grad in direct),
+                tuple(node.variable for node, _ in direct),
+            )
         self.groups = []
 
 
-def _linear_weight(group: _Group, accumulate: bool) -> bool:
-    """W of a group that is one linear layer's weight, its product computed here and only its
-    accumulation through the engine (from the weight's accumulator: nothing else to walk); False
-    for any other group."""
+def _linear_weight(group: _Group) -> tuple[Node, Tensor] | None:
+    """For a group that is one linear layer's weight, its accumulator and gradient, the product
+    computed here (only its accumulation goes through the engine); None for any other group."""
     if len(group.grads) != 1 or len(group.params) != 1:
-        return False
+        return None
     (node, captured), = group.grads.items()
     if len(captured) != 1 or captured[0] is None:
-        return False
+        return None
     found = linear_weight_gradient(node, captured[0])
-    if found is None or found[0] not in group.params:
-        return False
-    accumulator, grad = found
-    if accumulate:
-        accumulate_from_edges((GradientEdge(accumulator, 0),), (grad,), (accumulator.variable,))
-    return True
+    return found if found is not None and found[0] in group.params else None
 
 
 def _node(tensor: Tensor) -> Node | None:
