@@ -544,8 +544,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             plan = PipelinePlan(boundaries, self.schedule, self.num_microbatches)
         self._install(plan)
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
-        previous = _PLACEMENTS.get(module)
-        if previous is not None and self._sharded_module is not module:
+        previous = _PLACEMENTS.get(module)  # sharded before in these processes, by this strategy or another
+        if previous is not None and previous != self._placement():
             self._gather_owned(module, previous, owned)
         shard_module(module, self.unit_layout, owned, self.root_device)
         self._sharded_module = module
@@ -581,10 +581,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
         return tuple(self.layout.pipeline_ranks()), holders_of(self.unit_layout, self._unit_owners())
 
     def _gather_owned(self, module: nn.Module, previous: tuple, owned: set[int]) -> None:
-        """Before sharding a module another strategy of these processes sharded (a new Trainer after a
-        fit, under torchrun): bring each rank the tensors it now owns from the ranks that hold them,
-        as a plan change does. Without it they would be allocated uninitialized wherever the previous
-        pipeline left them on meta."""
+        """Before sharding a module that these processes sharded otherwise (a new Trainer after a fit,
+        under torchrun): bring each rank the tensors it now owns from the ranks that hold them, as a
+        plan change does. Without it they would be allocated uninitialized wherever the previous
+        placement left them on meta."""
         ranks, old_holders = previous
         if ranks != tuple(self.layout.pipeline_ranks()):
             raise RuntimeError(

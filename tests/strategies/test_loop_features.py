@@ -322,9 +322,10 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
         trainer.save_checkpoint(os.path.join(out_dir, "after-test.ckpt"))  # the checkpoint group still works
         # a new Trainer (balanced partition again) on the module the first one left sharded
         revalidated = new_trainer().validate(model, loader(batches))
+        retested = trainer.test(model, loader(batches))  # the first Trainer again: its plan, gathered back
         torch.save(
             {"same_groups": all(a is b for a, b in zip(made, reused)), "validated": validated, "tested": tested,
-             "revalidated": revalidated, "boundaries": boundaries},
+             "revalidated": revalidated, "retested": retested, "boundaries": boundaries},
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:
@@ -336,8 +337,8 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
     up again. Its process groups are made once (gloo groups hold sockets and threads until destroyed),
     validate and test keep the partition the fit ended with (each rank holds only its blocks: the
     initial partition would leave a moved block uninitialized, a silently wrong loss), a new Trainer on
-    the same module gathers each rank's blocks from where the first one left them, and every call
-    returns what one process returns."""
+    the same module gathers each rank's blocks from where the first one left them (and the first one
+    gathers them back), and every call returns what one process returns."""
     import torch.multiprocessing as mp
 
     mp.spawn(_fit_validate_test_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
@@ -347,9 +348,9 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
     batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
     model, trainer, _ = run(lambda: EvalGPT(layers=4).double(), batches, max_steps=2)
     expected = {"validated": trainer.validate(model, loader(batches)), "tested": trainer.test(model, loader(batches))}
-    expected["revalidated"] = expected["validated"]
+    expected["revalidated"], expected["retested"] = expected["validated"], expected["tested"]
     for part in parts:
-        for call in ("validated", "tested", "revalidated"):
+        for call in ("validated", "tested", "revalidated", "retested"):
             assert part[call][0].keys() == expected[call][0].keys()
             for name, value in expected[call][0].items():
                 _close(part[call][0][name], value)
