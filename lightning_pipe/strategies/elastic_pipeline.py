@@ -128,6 +128,8 @@ ScheduleSpec = Union[str, dict[str, Any], Schedule]
 _PLACEMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per module sharded in this process, by any strategy: ``ElasticPipelineStrategy._placement()`` of the
 strategy that placed it last. A later strategy that shards it again gathers from there."""
+_SPLIT_PLACED = (None, {})
+"""The record of a module a split placement (helix, spipe) cut: nothing else can gather from it."""
 
 
 class ElasticPipelineStrategy(ParallelStrategy):
@@ -521,9 +523,18 @@ class ElasticPipelineStrategy(ParallelStrategy):
             )
 
     def _shard(self, trainer: Any) -> None:
-        if self.split_placement is not None:
-            return self.split_placement.setup(self)
         module = self.lightning_module
+        if self.split_placement is not None:
+            previous = _PLACEMENTS.get(module)
+            if previous is not None and previous != _SPLIT_PLACED:
+                raise RuntimeError(
+                    f"`{type(module).__name__}` was sharded by another pipeline in these processes (each rank holds "
+                    f"only its stages), which schedule={self.schedule.name!r} cannot gather. Pass a new module for "
+                    "this call, or load a checkpoint of the trained one into a new module (`ckpt_path=...`)."
+                )
+            self.split_placement.setup(self)
+            _PLACEMENTS[module] = _SPLIT_PLACED
+            return
         stack = find_blocks(module, self._blocks)
         self.unit_layout = analyze_units(module, stack)
         if self._sharded_module is module:
@@ -586,6 +597,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
         plan change does. Without it they would be allocated uninitialized wherever the previous
         placement left them on meta."""
         ranks, old_holders = previous
+        if ranks is None:
+            raise RuntimeError(
+                f"`{type(module).__name__}` was cut by a split placement (schedule='helix' or 'spipe') in these "
+                "processes, which another schedule cannot gather. Pass a new module for this call, or load a "
+                "checkpoint of the trained one into a new module (`ckpt_path=...`)."
+            )
         if ranks != tuple(self.layout.pipeline_ranks()):
             raise RuntimeError(
                 f"`{type(module).__name__}` was sharded in these processes by a pipeline over global ranks "

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from examples.gpt.model import GPT
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.hf_models import lm_batches
-from tests.helpers.loop import rank_files, run
+from tests.helpers.loop import loader, rank_files, run
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
 
 SPIPE = {"name": "spipe", "stages_per_rank": 1, "backward_split": 2}  # 2 ranks x 1 x 2 = 4 stages of one block
@@ -204,3 +204,50 @@ def test_helix_predicts_through_the_pipeline_after_training(tmp_path):
     assert [p.shape for p in outputs["pipe"]] == [p.shape for p in outputs["one"]] == [(4, 7, 32), (4, 11, 32)]
     for got, want in zip(outputs["pipe"], outputs["one"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def _one_then_another_in_place(rank: int, init_file: str, out_dir: str, first: str, second: str) -> None:
+    """Processes started outside Lightning: fit under ``first``, then a new Trainer validates the same
+    module under ``second``; writes the error the second call raised (or "none")."""
+    import os
+
+    import lightning as L
+    import torch.distributed as dist
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+
+    def trainer(schedule: str) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule=schedule),
+        )
+
+    try:
+        model, batches = _gpt(), loader(lm_batches(1, 8, [5], vocab=32))
+        trainer(first).fit(model, batches)
+        try:
+            trainer(second).validate(model, batches)
+            error = "none"
+        except RuntimeError as raised:
+            error = str(raised)
+        Path(out_dir, f"rank{rank}.txt").write_text(error)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("first", "second", "message"), [
+    ("helix", "1f1b", "cut by a split placement"),
+    ("1f1b", "helix", "sharded by another pipeline"),
+])
+def test_a_module_cut_by_one_placement_is_refused_by_another_in_the_same_processes(tmp_path, first, second, message):
+    """Each rank holds only its own units after a fit; a split placement's cut and a pipeline's stages
+    cannot be gathered into each other, so the second Trainer refuses on every rank (instead of running
+    on the parameters it does not hold, allocated uninitialized)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_one_then_another_in_place, args=(str(tmp_path / "init"), str(tmp_path), first, second), nprocs=2, join=True)
+    errors = rank_files(tmp_path)
+    assert sorted(errors) == [0, 1] and all(message in error for error in errors.values()), errors
