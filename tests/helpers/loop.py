@@ -9,13 +9,15 @@ checkpoint compare step by step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler
@@ -23,6 +25,21 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.models import TinyGPT
 from tests.helpers.training import SEED, START_METHOD, BatchDataset, _merge
+
+
+@contextlib.contextmanager
+def started_outside(rank: int, init_file: str, world_size: int = 2) -> Iterator[None]:
+    """This spawned process as rank ``rank`` of processes started outside Lightning, as torchrun starts
+    them: the default gloo group is made here, and every trainer call runs in place, one after another."""
+    os.environ.update(
+        LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="0"
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 class ScheduledGPT(TinyGPT):

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMon
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_pipe.model import real_parameter_bytes
-from tests.helpers.loop import Record, ScheduledGPT, loader, pipeline, rank_files, records, run
+from tests.helpers.loop import Record, ScheduledGPT, loader, pipeline, rank_files, records, run, started_outside
 from tests.helpers.models import MaskedModel, TinyGPT
 from tests.helpers.training import assert_same_parameters, logged, reference_batches, token_batches
 
@@ -285,7 +285,6 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
     import os
 
     import lightning as L
-    import torch.distributed as dist
 
     from lightning_pipe import ElasticPipelineStrategy, PlanProposal
     from tests.helpers.loop import SEED
@@ -295,10 +294,6 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
             if batch_idx == 0:  # balanced is (0, 2, 4): block 1 moves from rank 0 to rank 1
                 trainer.strategy.propose(PlanProposal("move", boundaries=(0, 1, 4)))
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-
     def new_trainer(**kwargs) -> L.Trainer:
         return L.Trainer(
             accelerator="cpu", devices=2, strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
@@ -306,7 +301,7 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
             enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
         )
 
-    try:
+    with started_outside(rank, init_file):
         L.seed_everything(SEED, verbose=False)
         model = EvalGPT(layers=4).double()
         trainer = new_trainer(callbacks=[MoveBlock()])
@@ -328,8 +323,6 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
              "revalidated": revalidated, "retested": retested, "boundaries": boundaries},
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_partition(tmp_path):

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from examples.gpt.model import GPT
 from lightning_pipe import ElasticPipelineStrategy
 from tests.helpers.hf_models import lm_batches
-from tests.helpers.loop import loader, rank_files, run
+from tests.helpers.loop import loader, rank_files, run, started_outside
 from tests.helpers.training import START_METHOD, assert_same_parameters, fit, logged, reference_batches, token_batches
 
 SPIPE = {"name": "spipe", "stages_per_rank": 1, "backward_split": 2}  # 2 ranks x 1 x 2 = 4 stages of one block
@@ -209,14 +209,7 @@ def test_helix_predicts_through_the_pipeline_after_training(tmp_path):
 def _one_then_another_in_place(rank: int, init_file: str, out_dir: str, first: str, second: str) -> None:
     """Processes started outside Lightning: fit under ``first``, then a new Trainer validates the same
     module under ``second``; writes the error the second call raised (or "none")."""
-    import os
-
     import lightning as L
-    import torch.distributed as dist
-
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
 
     def trainer(schedule: str) -> L.Trainer:
         return L.Trainer(
@@ -225,7 +218,7 @@ def _one_then_another_in_place(rank: int, init_file: str, out_dir: str, first: s
             strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule=schedule),
         )
 
-    try:
+    with started_outside(rank, init_file):
         model, batches = _gpt(), loader(lm_batches(1, 8, [5], vocab=32))
         trainer(first).fit(model, batches)
         try:
@@ -234,8 +227,6 @@ def _one_then_another_in_place(rank: int, init_file: str, out_dir: str, first: s
         except RuntimeError as raised:
             error = str(raised)
         Path(out_dir, f"rank{rank}.txt").write_text(error)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("first", "second", "message"), [
