@@ -413,7 +413,9 @@ def strategy_options(row: str) -> dict:
     try:
         return {"schedule": schedule, "partition": [int(blocks) for blocks in partition.split("-")]}
     except ValueError:
-        raise ValueError(f"`{row}`: a row is FAMILY[@PARTITION], PARTITION auto, balanced or blocks per stage (2-1-3-2)") from None
+        raise ValueError(
+            f"`{row}`: a row is FAMILY[@PARTITION], PARTITION auto, balanced or blocks per stage (2-1-3-2)"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- steps interleaved
