@@ -227,3 +227,55 @@ def test_saved_plan_restores_only_a_layout_that_fits(caplog):
         assert Regrouping.saved_plan(record, current, 2) is None  # saved by 4 processes, resumed on 2
         assert Regrouping.saved_plan({"plan": {"boundaries": [0, 3, 6], "widths": [2, 2]}}, current, 4) is None
     assert caplog.text.count("does not fit this run") == 2
+
+
+def _depth_fit_then_plain_validate(rank: int, init_file: str, out_dir: str) -> None:
+    """Processes started outside Lightning: an elastic-depth fit that moves block 1 to the second stage,
+    then a new Trainer with a plain 2-stage pipeline (balanced: block 1 back on the first) validates the
+    same module."""
+    import os
+
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_pipe import PlanProposal
+    from tests.helpers.loop import SEED, loader, started_outside
+    from tests.strategies.test_loop_features import EvalGPT
+
+    class Layout(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:
+                trainer.strategy.propose(PlanProposal("depth", boundaries=(0, 1, 4), widths=(1, 1)))
+
+    settings = dict(
+        accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    with started_outside(rank, init_file):
+        L.seed_everything(SEED, verbose=False)
+        model = EvalGPT(layers=4).double()
+        batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
+        elastic = ElasticPipelineStrategy(num_microbatches=2, elastic_depth=True)
+        L.Trainer(strategy=elastic, callbacks=[Layout()], **settings).fit(model, loader(batches))
+        plain = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2)
+        validated = L.Trainer(strategy=plain, **settings).validate(model, loader(batches))
+        torch.save({"validated": validated, "boundaries": (elastic.boundaries, plain.boundaries)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_a_new_trainer_gathers_what_an_elastic_depth_fit_left_where_it_moved_it(tmp_path):
+    """The module's placement after an elastic-depth fit (torchrun: the processes go on) is gathered by a
+    new Trainer's pipeline like a repartitioning, and its validation equals one process's."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers.loop import loader, run
+    from tests.strategies.test_loop_features import EvalGPT
+
+    mp.spawn(_depth_fit_then_plain_validate, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(part["boundaries"] == ((0, 1, 4), (0, 2, 4)) for part in parts)  # block 1 had to move back
+    batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
+    model, trainer, _ = run(lambda: EvalGPT(layers=4).double(), batches, max_steps=2)
+    expected = trainer.validate(model, loader(batches))[0]["val_loss"]
+    for part in parts:
+        got = torch.tensor(part["validated"][0]["val_loss"])
+        torch.testing.assert_close(got, torch.tensor(expected), atol=1e-10, rtol=0)
