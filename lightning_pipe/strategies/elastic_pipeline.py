@@ -545,8 +545,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
                 raise RuntimeError(
                     f"`trainer.{trainer.state.fn.value}` after a fit that changed the pipeline's depth "
                     "(`elastic_depth`), in the same processes and with the same module: its parameters are spread "
-                    "over a layout this call cannot set up. Save a checkpoint at the end of the fit and load it "
-                    "into a new module for this call (`trainer.validate(model, ckpt_path=...)`)."
+                    "over a layout this call cannot set up. Call it on a new Trainer (its pipeline gathers the "
+                    "module), or save a checkpoint at the end of the fit and validate from it (`ckpt_path=...`)."
                 )
             plan = PipelinePlan(plan.boundaries, plan.schedule, self.num_microbatches)
         else:
