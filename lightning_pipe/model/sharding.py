@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from lightning_pipe.model.units import UnitLayout
-
 from lightning_pipe.model._torch_compat import tensor_registries
+from lightning_pipe.model.units import UnitLayout
 
 
 def owned_units(boundaries: tuple[int, ...] | list[int], stages: tuple[int, ...] | list[int]) -> set[int]:
@@ -60,6 +61,21 @@ def shard_module(root: nn.Module, layout: UnitLayout, units: set[int], device: t
                         new = nn.Parameter(new, requires_grad=tensor.requires_grad)
                     replaced[id(tensor)] = new
                 registry[name] = replaced[id(tensor)]
+
+
+_PLACEMENT = "_lightning_pipe_placement"
+
+
+def recorded_placement(root: nn.Module) -> Any:
+    """What :func:`record_placement` last kept on ``root`` (None: never sharded in this process)."""
+    return vars(root).get(_PLACEMENT)
+
+
+def record_placement(root: nn.Module, placement: Any) -> None:
+    """Keep on the module itself where its tensors are held, so that a later sharding of it gathers
+    rather than allocates. On the module, not beside it: a copy (``copy.deepcopy(model)`` after a
+    fit) carries it, and on every rank the copy holds the same real tensors as the original."""
+    vars(root)[_PLACEMENT] = placement
 
 
 def move_real_tensors(root: nn.Module, device: torch.device) -> None:

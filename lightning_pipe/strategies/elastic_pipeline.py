@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import logging
 import time
-import weakref
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +42,7 @@ from lightning_pipe.model.batch_checks import describe_modules, find_sample_mixi
 from lightning_pipe.model.log_calls import reduce_log_calls
 from lightning_pipe.model.metrics import MetricStates, metrics_inert
 from lightning_pipe.model.observation import check_observation, layout_from_observation
+from lightning_pipe.model.sharding import record_placement, recorded_placement
 from lightning_pipe.model.units import UnitLayout
 from lightning_pipe.planning.boundaries import check_boundaries
 from lightning_pipe.planning.chunking import PlannedChunks, chunk_pieces
@@ -125,9 +125,6 @@ PartitionSpec = Union[Literal["uniform", "balanced", "auto"], list[int]]
 ScheduleSpec = Union[str, dict[str, Any], Schedule]
 
 
-_PLACEMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per module sharded in this process, by any strategy: ``ElasticPipelineStrategy._placement()`` of the
-strategy that placed it last. A later strategy that shards it again gathers from there."""
 _SPLIT_PLACED = (None, {})
 """The record of a module a split placement (helix, spipe) cut: nothing else can gather from it."""
 
@@ -525,7 +522,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def _shard(self, trainer: Any) -> None:
         module = self.lightning_module
         if self.split_placement is not None:
-            previous = _PLACEMENTS.get(module)
+            previous = recorded_placement(module)
             if previous is not None and previous != _SPLIT_PLACED:
                 raise RuntimeError(
                     f"`{type(module).__name__}` was sharded by another pipeline in these processes (each rank holds "
@@ -533,7 +530,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
                     "this call, or load a checkpoint of the trained one into a new module (`ckpt_path=...`)."
                 )
             self.split_placement.setup(self)
-            _PLACEMENTS[module] = _SPLIT_PLACED
+            record_placement(module, _SPLIT_PLACED)
             return
         stack = find_blocks(module, self._blocks)
         self.unit_layout = analyze_units(module, stack)
@@ -555,12 +552,12 @@ class ElasticPipelineStrategy(ParallelStrategy):
             plan = PipelinePlan(boundaries, self.schedule, self.num_microbatches)
         self._install(plan)
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
-        previous = _PLACEMENTS.get(module)  # sharded before in these processes, by this strategy or another
+        previous = recorded_placement(module)  # sharded before in these processes, by this strategy or another
         if previous is not None and previous != self._placement():
             self._gather_owned(module, previous, owned)
         shard_module(module, self.unit_layout, owned, self.root_device)
         self._sharded_module = module
-        _PLACEMENTS[module] = self._placement()
+        record_placement(module, self._placement())
         self.runner = StageRunner(module, stack, device=self.root_device)
         self._observed = {}  # step name -> StepObservation (units by use; see _observe)
         self.executor = (PipelineExecutor if self.regrouping is None else LayoutExecutor)(
@@ -588,7 +585,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     def _placement(self) -> tuple[tuple[int, ...], dict[str, frozenset[int]]]:
         """Where the module's tensors are: the pipeline's global ranks, and per tensor name the pipeline
-        ranks that hold it for real (what :data:`_PLACEMENTS` keeps)."""
+        ranks that hold it for real (what ``model.sharding.record_placement`` keeps on the module)."""
         return tuple(self.layout.pipeline_ranks()), holders_of(self.unit_layout, self._unit_owners())
 
     def _gather_owned(self, module: nn.Module, previous: tuple, owned: set[int]) -> None:
@@ -822,7 +819,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if keepers:
             self.regrouping.keep_gradients(self.lightning_module, new_holders, keepers, self.global_rank)
         self.unit_layout = layout
-        _PLACEMENTS[self.lightning_module] = self._placement()
+        record_placement(self.lightning_module, self._placement())
         self.runner.parameters_changed()
         self._shared = self._shared_parameters()
         if shared_moves:

@@ -282,6 +282,7 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
     """One rank of processes started outside Lightning (as torchrun starts them): fit (which moves a
     block to the other rank at its first batch), validate and test run in these processes, one after
     the other."""
+    import copy
     import os
 
     import lightning as L
@@ -315,12 +316,15 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
         groups = trainer.strategy.groups
         reused = (groups.pipeline, groups.outcome, trainer.strategy.sharded_checkpoints.group)
         trainer.save_checkpoint(os.path.join(out_dir, "after-test.ckpt"))  # the checkpoint group still works
+        copied = copy.deepcopy(model)  # holds what `model` holds on this rank, and says so
         # a new Trainer (balanced partition again) on the module the first one left sharded
         revalidated = new_trainer().validate(model, loader(batches))
         retested = trainer.test(model, loader(batches))  # the first Trainer again: its plan, gathered back
+        copy_validated = new_trainer().validate(copied, loader(batches))
         torch.save(
             {"same_groups": all(a is b for a, b in zip(made, reused)), "validated": validated, "tested": tested,
-             "revalidated": revalidated, "retested": retested, "boundaries": boundaries},
+             "revalidated": revalidated, "retested": retested, "copy_validated": copy_validated,
+             "boundaries": boundaries},
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
 
@@ -331,7 +335,8 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
     validate and test keep the partition the fit ended with (each rank holds only its blocks: the
     initial partition would leave a moved block uninitialized, a silently wrong loss), a new Trainer on
     the same module gathers each rank's blocks from where the first one left them (and the first one
-    gathers them back), and every call returns what one process returns."""
+    gathers them back; a deep copy of the module likewise), and every call returns what one process
+    returns."""
     import torch.multiprocessing as mp
 
     mp.spawn(_fit_validate_test_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
@@ -342,8 +347,9 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
     model, trainer, _ = run(lambda: EvalGPT(layers=4).double(), batches, max_steps=2)
     expected = {"validated": trainer.validate(model, loader(batches)), "tested": trainer.test(model, loader(batches))}
     expected["revalidated"], expected["retested"] = expected["validated"], expected["tested"]
+    expected["copy_validated"] = expected["validated"]
     for part in parts:
-        for call in ("validated", "tested", "revalidated", "retested"):
+        for call in ("validated", "tested", "revalidated", "retested", "copy_validated"):
             assert part[call][0].keys() == expected[call][0].keys()
             for name, value in expected[call][0].items():
                 _close(part[call][0][name], value)
