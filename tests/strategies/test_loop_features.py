@@ -297,9 +297,9 @@ def _fit_validate_test_in_place(rank: int, init_file: str, out_dir: str) -> None
 
     def new_trainer(**kwargs) -> L.Trainer:
         return L.Trainer(
-            accelerator="cpu", devices=2, strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
-            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
+            accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+            strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
         )
 
     with started_outside(rank, init_file):
@@ -354,3 +354,56 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
             for name, value in expected[call][0].items():
                 _close(part[call][0][name], value)
     assert (tmp_path / "after-test.ckpt").exists()
+
+
+def _fit_twice_in_place(rank: int, init_file: str, out_dir: str) -> None:
+    """Processes started outside Lightning: a fit that moves block 1 at its first step, then the same
+    Trainer fits again (two more steps, a new optimizer, as Lightning makes one per fit)."""
+    import lightning as L
+
+    from lightning_pipe import ElasticPipelineStrategy, PlanProposal
+    from tests.helpers.loop import SEED
+
+    class MoveBlock(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 0:
+                trainer.strategy.propose(PlanProposal("move", boundaries=(0, 1, 4)))
+
+    with started_outside(rank, init_file):
+        L.seed_everything(SEED, verbose=False)
+        model = EvalGPT(layers=4).double()
+        strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=2)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[MoveBlock()],
+        )
+        batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
+        trainer.fit(model, loader(batches))
+        trainer.fit_loop.epoch_loop.max_steps = 4
+        trainer.fit(model, loader(batches))
+        held = {name: p.detach().clone() for name, p in model.named_parameters() if not p.is_meta}
+        record = {"params": held, "steps": trainer.global_step, "boundaries": strategy.boundaries}
+        torch.save(record, Path(out_dir, f"rank{rank}.pt"))
+
+
+def test_fit_again_in_the_same_processes_trains_from_where_the_first_fit_left_the_blocks(tmp_path):
+    """A second ``trainer.fit`` on the same Trainer keeps the partition the first one ended with, and
+    the parameters after both equal one process doing the same (float64, 1e-10)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fit_twice_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [(part["steps"], part["boundaries"]) for part in parts] == [(4, (0, 1, 4))] * 2
+    pipelined = parts[0]["params"] | parts[1]["params"]
+
+    batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)
+    model, trainer, _ = run(lambda: EvalGPT(layers=4).double(), batches, max_steps=2)
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model, loader(batches))
+    assert trainer.global_step == 4
+    expected = dict(model.named_parameters())
+    assert pipelined.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            pipelined[name], value.detach(), atol=1e-10, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )

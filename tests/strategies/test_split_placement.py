@@ -239,6 +239,7 @@ def test_a_module_cut_by_one_placement_is_refused_by_another_in_the_same_process
     on the parameters it does not hold, allocated uninitialized)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_one_then_another_in_place, args=(str(tmp_path / "init"), str(tmp_path), first, second), nprocs=2, join=True)
+    arguments = (str(tmp_path / "init"), str(tmp_path), first, second)
+    mp.spawn(_one_then_another_in_place, args=arguments, nprocs=2, join=True)
     errors = rank_files(tmp_path)
     assert sorted(errors) == [0, 1] and all(message in error for error in errors.values()), errors
