@@ -127,6 +127,9 @@ ScheduleSpec = Union[str, dict[str, Any], Schedule]
 
 _SPLIT_PLACED = (None, {})
 """The record of a module a split placement (helix, spipe) cut: nothing else can gather from it."""
+_NEW_MODULE = (
+    "Pass a new module for this call, or load a checkpoint of the trained one into a new module (`ckpt_path=...`)."
+)
 
 
 class ElasticPipelineStrategy(ParallelStrategy):
@@ -526,8 +529,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             if previous is not None and previous != _SPLIT_PLACED:
                 raise RuntimeError(
                     f"`{type(module).__name__}` was sharded by another pipeline in these processes (each rank holds "
-                    f"only its stages), which schedule={self.schedule.name!r} cannot gather. Pass a new module for "
-                    "this call, or load a checkpoint of the trained one into a new module (`ckpt_path=...`)."
+                    f"only its stages), which schedule={self.schedule.name!r} cannot gather. {_NEW_MODULE}"
                 )
             self.split_placement.setup(self)
             record_placement(module, _SPLIT_PLACED)
@@ -552,12 +554,13 @@ class ElasticPipelineStrategy(ParallelStrategy):
             plan = PipelinePlan(boundaries, self.schedule, self.num_microbatches)
         self._install(plan)
         owned = owned_units(self.boundaries, self.program.stages_of(self.layout.pipeline_rank))
+        placement = self._placement()
         previous = recorded_placement(module)  # sharded before in these processes, by this strategy or another
-        if previous is not None and previous != self._placement():
-            self._gather_owned(module, previous, owned)
+        if previous is not None and previous != placement:
+            self._gather_owned(module, previous, placement[1], owned)
         shard_module(module, self.unit_layout, owned, self.root_device)
         self._sharded_module = module
-        record_placement(module, self._placement())
+        record_placement(module, placement)
         self.runner = StageRunner(module, stack, device=self.root_device)
         self._observed = {}  # step name -> StepObservation (units by use; see _observe)
         self.executor = (PipelineExecutor if self.regrouping is None else LayoutExecutor)(
@@ -588,7 +591,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         ranks that hold it for real (what ``model.sharding.record_placement`` keeps on the module)."""
         return tuple(self.layout.pipeline_ranks()), holders_of(self.unit_layout, self._unit_owners())
 
-    def _gather_owned(self, module: nn.Module, previous: tuple, owned: set[int]) -> None:
+    def _gather_owned(
+        self, module: nn.Module, previous: tuple, holders: dict[str, frozenset[int]], owned: set[int]
+    ) -> None:
         """Before sharding a module that these processes sharded otherwise (a new Trainer after a fit,
         under torchrun): bring each rank the tensors it now owns from the ranks that hold them, as a
         plan change does. Without it they would be allocated uninitialized wherever the previous
@@ -597,17 +602,15 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if ranks is None:
             raise RuntimeError(
                 f"`{type(module).__name__}` was cut by a split placement (schedule='helix' or 'spipe') in these "
-                "processes, which another schedule cannot gather. Pass a new module for this call, or load a "
-                "checkpoint of the trained one into a new module (`ckpt_path=...`)."
+                f"processes, which another schedule cannot gather. {_NEW_MODULE}"
             )
         if ranks != tuple(self.layout.pipeline_ranks()):
             raise RuntimeError(
                 f"`{type(module).__name__}` was sharded in these processes by a pipeline over global ranks "
                 f"{list(ranks)}, and this strategy's pipeline runs over {self.layout.pipeline_ranks()}: each rank "
-                "holds only its old stages, which this layout cannot gather. Pass a new module for this call, or "
-                "load a checkpoint of the trained one into a new module (`ckpt_path=...`)."
+                f"holds only its old stages, which this layout cannot gather. {_NEW_MODULE}"
             )
-        transfers = plan_transfers(old_holders, holders_of(self.unit_layout, self._unit_owners()))
+        transfers = plan_transfers(old_holders, holders)
         if transfers:
             migrate(
                 module, transfers, self.unit_layout.needed_names(owned), self.layout.pipeline_rank,
