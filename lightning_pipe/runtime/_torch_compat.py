@@ -25,12 +25,14 @@ from lightning_pipe.model._torch_compat import (
 )
 
 __all__ = [
+    "AccumulateGrad",
     "TorchDispatchMode",
     "accumulate_from_edges",
     "flash_attention_cpu_ops",
     "foreach_mul_",
     "grad_output_count",
-    "linear_weight_gradient",
+    "has_gradient_hooks",
+    "linear_weight_factors",
     "meta_autocast_disabled",
     "op_argument_names",
     "record_found_inf",
@@ -45,6 +47,16 @@ __all__ = [
 # the base class of dispatch modes (the FLOP and saved-bytes counters of the cost probe)
 TorchDispatchMode = private_name("torch.utils._python_dispatch", "TorchDispatchMode", "runtime/_torch_compat.py")
 
+
+
+def _accumulator_class() -> type:
+    leaf = torch.zeros(1, requires_grad=True)
+    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
+
+
+# the class of a leaf's gradient accumulator node (its ``variable`` is the leaf), found from a graph:
+# torch names it only in the private ``torch._C._functions``
+AccumulateGrad = _accumulator_class()
 
 _ENGINE_RUN_BACKWARD = private_name("torch.autograd.graph", "_engine_run_backward", "runtime/_torch_compat.py")
 
@@ -67,12 +79,13 @@ def accumulate_from_edges(
     return None if accumulate else result
 
 
-def linear_weight_gradient(node: Node, grad: Tensor) -> tuple[Node, Tensor] | None:
+def linear_weight_factors(node: Node, grad: Tensor) -> tuple[Node, Tensor, Tensor] | None:
     """For a matrix product whose second operand is a parameter's transpose (a linear layer's
-    ``addmm(bias, x, W.t())`` or ``mm(x, W.t())``), the weight's gradient accumulator and its gradient
-    from ``grad``, the gradient of the product: ``grad.t().mm(x)``, the very operation autograd runs
-    there (``mm_mat2_backward`` for a column-major ``mat2``, then ``TBackward0``), so the result is
-    the same tensor. None for any other node.
+    ``addmm(bias, x, W.t())`` or ``mm(x, W.t())``), the weight's gradient accumulator and the two
+    factors whose product ``left.mm(right)`` is the weight's gradient from ``grad``, the gradient of
+    the product: ``grad.t()`` and ``x``, the very operation autograd runs there (``mm_mat2_backward``
+    for a column-major ``mat2``, then ``TBackward0``), so the product is the same tensor. None for any
+    other node.
 
     The zero-bubble W pass uses it to skip one autograd engine call per linear weight: each call
     walks the whole retained graph below the product, about 0.1 ms on the benchmark GPT's stages.
@@ -98,8 +111,23 @@ def linear_weight_gradient(node: Node, grad: Tensor) -> tuple[Node, Tensor] | No
     accumulator = weight_edge.next_functions[0][0]
     if accumulator is None or not hasattr(accumulator, "variable"):
         return None
-    with torch.no_grad():  # as the engine runs it (the saved operand requires grad); autocast applies alike
-        return accumulator, grad.t().mm(operand)
+    return accumulator, grad.t(), operand  # multiply them under no_grad, as the engine does (``x`` requires grad)
+
+
+def has_gradient_hooks(tensor: Tensor) -> bool:
+    """Whether hooks run when autograd accumulates ``tensor``'s gradient: tensor hooks
+    (``register_hook``) and post-accumulate-grad hooks (optimizer offload), kept in the private
+    ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks``. A gradient accumulated
+    outside the engine skips them, so it is only done where this is False."""
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        if not hasattr(tensor, name):
+            raise RuntimeError(
+                f"torch.Tensor has no `{name}` in this torch version; lightning-pipe's split backward checks a "
+                "parameter's gradient hooks before accumulating outside the engine: update runtime/_torch_compat.py."
+            )
+        if getattr(tensor, name):
+            return True
+    return False
 
 
 def grad_output_count(node: Node) -> int:

@@ -118,16 +118,16 @@ def test_i_and_w_accumulate_through_the_engine():
     torch.testing.assert_close(layer.weight.grad, before["weight"] + grad.T @ x.detach())
 
 
-def test_w_computes_linear_weights_without_the_engine_walk_and_bit_exact(monkeypatch):
+def test_w_computes_linear_weights_without_the_engine_and_bit_exact(monkeypatch):
     """A linear layer's weight gradient is the product autograd itself computes (same tensor, bit for
-    bit): W computes it directly (runtime/_torch_compat.linear_weight_gradient) for every linear of
-    the blocks, and through the engine for the rest."""
+    bit): W computes it directly (runtime/_torch_compat.linear_weight_factors) for every linear of
+    the blocks and stores it without an engine call (no hooks to run); nothing else is left to W."""
     from lightning_pipe.runtime import split_backward
 
-    taken = []
-    original = split_backward.linear_weight_gradient
+    taken, engine_calls = [], []
+    original = split_backward.linear_weight_factors
     monkeypatch.setattr(
-        split_backward, "linear_weight_gradient", lambda node, grad: taken.append(original(node, grad)) or taken[-1]
+        split_backward, "linear_weight_factors", lambda node, grad: taken.append(original(node, grad)) or taken[-1]
     )
     torch.manual_seed(0)
     blocks = nn.Sequential(*[Block(16, 2) for _ in range(2)]).double()
@@ -136,7 +136,10 @@ def test_w_computes_linear_weights_without_the_engine_walk_and_bit_exact(monkeyp
     grad = torch.randn(2, 5, 16, dtype=torch.float64)
     leaf = x.clone().requires_grad_()
     (input_grad,), weight_pass = backward_input([blocks(leaf)], [grad], [leaf])
+    engine = split_backward.accumulate_from_edges
+    monkeypatch.setattr(split_backward, "accumulate_from_edges", lambda *a: engine_calls.append(a) or engine(*a))
     weight_pass.run()
+    assert engine_calls == []
     ref_leaf = x.clone().requires_grad_()
     reference(ref_leaf).backward(grad)
     linears = [m for m in blocks.modules() if isinstance(m, nn.Linear)]
@@ -147,6 +150,93 @@ def test_w_computes_linear_weights_without_the_engine_walk_and_bit_exact(monkeyp
         else:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
     torch.testing.assert_close(input_grad, ref_leaf.grad, rtol=0, atol=1e-12)
+
+
+def test_w_adds_to_existing_gradients_and_runs_tensor_hooks():
+    """Microbatches after the first add their linear weights' gradients to ``.grad`` (fused into the
+    product, equal to one backward per microbatch to float64 rounding); a weight with a tensor hook
+    goes through the engine, which runs the hook on the gradient, as one backward does."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[Block(16, 2) for _ in range(2)]).double()
+    reference = copy.deepcopy(blocks)
+    seen, ref_seen = [], []
+    blocks[1].proj.weight.register_hook(lambda g: seen.append(g.clone()) or g * 2)
+    reference[1].proj.weight.register_hook(lambda g: ref_seen.append(g.clone()) or g * 2)
+    for _ in range(3):  # three microbatches accumulate
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        grad = torch.randn(2, 5, 16, dtype=torch.float64)
+        leaf = x.clone().requires_grad_()
+        _, weight_pass = backward_input([blocks(leaf)], [grad], [leaf])
+        weight_pass.run()
+        reference(x.clone().requires_grad_()).backward(grad)
+    assert len(seen) == len(ref_seen) == 3
+    for got, want in zip(seen, ref_seen):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for (name, p), q in zip(blocks.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class Swapped(nn.Module):
+    """Two linear layers applied in an order chosen per call: the graphs have one shape and differ in
+    which parameter sits where."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, order):
+        first, second = (self.a, self.b) if order == "ab" else (self.b, self.a)
+        h = second(torch.tanh(first(x)))
+        return h.exp() if order == "exp" else h
+
+
+def test_one_analysis_per_graph_shape_and_exact_for_each(monkeypatch):
+    """Graphs of one shape share I's analysis (the parameters are read from each graph's own nodes),
+    a graph of another shape gets its own, and every split equals one backward."""
+    from lightning_pipe.runtime import split_backward
+
+    analysed = []
+    original = split_backward._analyse
+    monkeypatch.setattr(split_backward, "_analyse", lambda *a: analysed.append(1) or original(*a))
+    monkeypatch.setattr(split_backward, "_ANALYSES", {})
+    torch.manual_seed(0)
+    module = Swapped().double()
+    reference = copy.deepcopy(module)
+    for order in ("ab", "ba", "ab", "exp", "ba"):
+        x = torch.randn(3, 8, dtype=torch.float64)
+        grad = torch.randn(3, 8, dtype=torch.float64)
+        leaf = x.clone().requires_grad_()
+        (input_grad,), weight_pass = backward_input([module(leaf, order)], [grad], [leaf])
+        weight_pass.run()
+        ref_leaf = x.clone().requires_grad_()
+        reference(ref_leaf, order).backward(grad)
+        torch.testing.assert_close(input_grad, ref_leaf.grad, rtol=0, atol=1e-12)
+    assert len(analysed) == 2  # "ab" and "ba" have one shape, "exp" another
+    for (name, p), q in zip(module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("with_input", [True, False])
+def test_a_parameter_returned_as_an_output_gets_its_gradient(with_input):
+    """A stage output that is a parameter itself (a vector and a matrix) gets the output's gradient,
+    with input gradients to compute (I and W) or without (W alone)."""
+
+    class PassesParameters(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.randn(4))
+            self.table = nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, x):
+            return self.layer(x), self.scale, self.table
+
+    torch.manual_seed(0)
+    module = PassesParameters().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    grads = [torch.randn(shape, dtype=torch.float64) for shape in ((2, 4), (4,), (3, 4))]
+    make_inputs = (lambda: [x.clone().requires_grad_()]) if with_input else (lambda: [x.clone()])
+    _split_and_full(module, make_inputs, grads)
 
 
 def test_split_under_autocast_equals_one_backward_under_autocast():

@@ -102,7 +102,7 @@ def test_accumulate_from_edges_is_backward_from_gradient_edges():
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(5, 4), (2, 3, 4)])
-def test_linear_weight_gradient_is_the_tensor_autograd_computes(bias, shape):
+def test_linear_weight_factors_multiply_to_the_tensor_autograd_computes(bias, shape):
     torch.manual_seed(0)
     layer = nn.Linear(4, 3, bias=bias).double()
     x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
@@ -111,22 +111,33 @@ def test_linear_weight_gradient_is_the_tensor_autograd_computes(bias, shape):
     product = out.grad_fn
     while type(product).__name__ not in ("AddmmBackward0", "MmBackward0"):  # under the views of a 3-D input
         product = product.next_functions[0][0]
-    found = compat.linear_weight_gradient(product, grad.reshape(-1, 3))
+    found = compat.linear_weight_factors(product, grad.reshape(-1, 3))
     assert found is not None
-    accumulator, weight_grad = found
+    accumulator, left, right = found
     assert accumulator.variable is layer.weight
+    with torch.no_grad():
+        weight_grad = left.mm(right)
     out.backward(grad)
     assert torch.equal(weight_grad, layer.weight.grad) and weight_grad.stride() == layer.weight.grad.stride()
     assert not weight_grad.requires_grad  # computed as the engine computes it: no graph of its own
 
 
-def test_linear_weight_gradient_declines_other_products():
+def test_gradient_hooks_are_seen():
+    plain, hooked, offloaded = (nn.Parameter(torch.randn(2)) for _ in range(3))
+    hooked.register_hook(lambda g: g)
+    offloaded.register_post_accumulate_grad_hook(lambda p: None)
+    assert [compat.has_gradient_hooks(p) for p in (plain, hooked, offloaded)] == [False, True, True]
+    leaf = torch.zeros(1, requires_grad=True)
+    assert type(leaf.view_as(leaf).grad_fn.next_functions[0][0]) is compat.AccumulateGrad
+
+
+def test_linear_weight_factors_decline_other_products():
     a = torch.randn(3, 4, requires_grad=True)
     b = torch.randn(4, 2, requires_grad=True)
-    assert compat.linear_weight_gradient((a @ b).grad_fn, torch.ones(3, 2)) is None  # no transposed parameter
-    assert compat.linear_weight_gradient(a.exp().grad_fn, torch.ones(3, 4)) is None
+    assert compat.linear_weight_factors((a @ b).grad_fn, torch.ones(3, 2)) is None  # no transposed parameter
+    assert compat.linear_weight_factors(a.exp().grad_fn, torch.ones(3, 4)) is None
     w = nn.Parameter(torch.randn(4, 2))
-    assert compat.linear_weight_gradient(torch.addmm(torch.zeros(2), a, w, alpha=2).grad_fn, torch.ones(3, 2)) is None
+    assert compat.linear_weight_factors(torch.addmm(torch.zeros(2), a, w, alpha=2).grad_fn, torch.ones(3, 2)) is None
 
 
 def test_model_names():
