@@ -223,12 +223,16 @@ def simulate_measured(events: list[TimedAction], program: Any):
     return simulate(program, dataclasses.replace(measured_costs(events, program), latency=measured_latency(events)))
 
 
-def step_breakdown(records: list, step_s: float, parts: dict[str, float] | None = None) -> dict[str, float]:
+def step_breakdown(
+    records: list, step_s: float, parts: dict[str, float] | None = None, inside: float = 0.0
+) -> dict[str, float]:
     """Where one rank's step went, from its action records: compute, receive waits, sends, the
     executor's time between actions, and everything outside the program (sums to ``step_s``).
 
-    ``parts``: the strategy's measured parts outside the program (``StepClock``); each becomes its
-    own entry, and ``outside_program`` keeps the rest (Lightning's loop and hooks, callbacks).
+    ``parts``: the strategy's measured parts (``StepClock``); each becomes its own entry, and
+    ``outside_program`` keeps the rest (Lightning's loop and hooks, callbacks). ``inside``: seconds of
+    those parts spent between the program's actions (the step's outcome as a side task,
+    ``runtime/side_task.py``), not counted again in ``between_actions``.
     """
     parts = {name: max(0.0, seconds) for name, seconds in (parts or {}).items()}
     if not records:
@@ -241,9 +245,9 @@ def step_breakdown(records: list, step_s: float, parts: dict[str, float] | None 
         "compute": compute,
         "wait": wait,
         "send": send,
-        "between_actions": max(0.0, span - compute - wait - send),
+        "between_actions": max(0.0, span - compute - wait - send - inside),
         **parts,
-        "outside_program": max(0.0, step_s - span - sum(parts.values())),
+        "outside_program": max(0.0, step_s - span - sum(parts.values()) + inside),
     }
 
 
@@ -349,7 +353,10 @@ class PipelineMonitor(L.Callback):
         if trainer.global_rank != 0 or reports is None:
             return
         summary = self._summarize(strategy, reports, step, step_s, _tokens(batch) * strategy.layout.data_parallel_size)
-        summary.time_s = step_breakdown(outcome.records if outcome else [], step_s, dict(strategy.step_clock.parts))
+        summary.time_s = step_breakdown(
+            outcome.records if outcome else [], step_s, dict(strategy.step_clock.parts),
+            getattr(outcome, "side_task_s", 0.0),
+        )
         summary.plan_background_s = strategy.step_clock.background.get("plan", 0.0)
         self.history.append(summary)
         metrics = {

@@ -45,6 +45,7 @@ from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.failures import PeerFailure
 from lightning_pipe.runtime.instructions import run_instruction
 from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
+from lightning_pipe.runtime.side_task import SideTaskPlacer, ready_index
 from lightning_pipe.runtime.split_backward import WeightPass, backward_input
 from lightning_pipe.schedules.action_rules import ACTION_RULES
 from lightning_pipe.schedules.ir import Action, ActionType, Program
@@ -75,6 +76,10 @@ class StepWork:
             activations have the shapes of the microbatch before: their receives are posted as soon
             as that one's arrived (where the transfer layer matches by tag). Every rank of the
             pipeline must pass the same.
+        side_task: on the rank of the last stage, work that needs all of that stage's forwards and
+            nothing else (the step's outcome), given the outcome so far; run once, inside the program
+            where the rank waited for as long in the last step of the same program, else after it
+            (``runtime/side_task.py``). None: none.
     """
 
     step_name: str
@@ -86,6 +91,7 @@ class StepWork:
     describe_shapes: bool = False
     extra_roots: Callable[[int, int], tuple[list[Tensor], list[Tensor]]] | None = None
     same_shapes: bool = False
+    side_task: Callable[[StepOutcome], None] | None = None
 
 
 @dataclass
@@ -115,6 +121,7 @@ class StepOutcome:
         records: timing of every action this rank ran.
         loss_records: what each microbatch's loss was computed from (last stage, with ``count_losses``).
         loss_weights: the factor ``StepWork.loss_weight`` gave each microbatch (last stage only).
+        side_task_s: seconds the side task ran between this rank's actions (0 when it ran after them).
     """
 
     losses: dict[int, Tensor] = field(default_factory=dict)
@@ -123,6 +130,7 @@ class StepOutcome:
     records: list[ActionRecord] = field(default_factory=list)
     loss_records: dict[int, LossRecord] = field(default_factory=dict)
     loss_weights: dict[int, Any] = field(default_factory=dict)
+    side_task_s: float = 0.0
 
 
 @dataclass
@@ -134,6 +142,12 @@ class _Slot:
     output_grads: list[Tensor | None] | None = None
     weight_pass: WeightPass | None = None
     kept: list[Tensor] = field(default_factory=list)  # the step's output and logs holding the graph (last stage)
+
+
+def _timed(task: Callable[[StepOutcome], None], outcome: StepOutcome) -> float:
+    started = time.perf_counter()
+    task(outcome)
+    return time.perf_counter() - started
 
 
 _BACKWARDS = frozenset({ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT})
@@ -165,6 +179,7 @@ class PipelineExecutor:
         self.device = device
         self._waited = 0.0
         self._arrival: float | None = None
+        self._side_tasks = SideTaskPlacer()
 
     def run(self, program: Program, spans: dict[int, StageSpan], work: StepWork) -> StepOutcome:
         """Run this rank's actions of ``program`` for ``work``; ``spans`` maps its stages to blocks."""
@@ -180,8 +195,16 @@ class PipelineExecutor:
         outcome = StepOutcome()
         self.runner.predict_shapes = work.describe_shapes
         me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
+        task = work.side_task
+        ready = None if task is None else ready_index(program, self.pipeline_rank)
+        point = None if ready is None else self._side_tasks.point(program)
+        point = None if point is None else max(point, ready)  # never before the outcome is complete
+        ran_before, task_s = None, 0.0
         try:
-            for action in program.actions[self.pipeline_rank]:
+            for index, action in enumerate(program.actions[self.pipeline_rank]):
+                if index == point and task is not None:
+                    task_s, ran_before, task = _timed(task, outcome), index, None
+                    outcome.side_task_s = task_s
                 self._waited, self._arrival = 0.0, None
                 start = time.perf_counter()
                 try:
@@ -197,6 +220,10 @@ class PipelineExecutor:
                 self.p2p.wait_sends()
             except PeerFailure as failure:
                 raise failure.located(f"{me}, at the end of the step,") from failure.cause
+            if task is not None:
+                task_s = _timed(task, outcome)
+            if ready is not None:
+                self._side_tasks.observe(program, ready, [r.wait for r in outcome.records], ran_before, task_s)
         finally:
             self.runner.predict_shapes = False
             self._slots = {}

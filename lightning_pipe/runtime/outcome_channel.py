@@ -11,8 +11,10 @@ and per log call its name, options and value dtype, for outcomes made only of th
 tensors or Python floats, no metric updates, no error). The next step of the same kind (step function
 and last stage) then travels as one float64 vector ``[1, loss, normalizer, values...]``, which the other
 ranks post the receive of at the *start* of their step, asynchronously, on a gloo group of its own: it
-lands while they finish their backward. An outcome that does not fit its schema sends ``[0, ...]``
-followed by the pickled payload on the same group, and its schema replaces the old one. Every value
+lands while they finish their backward. The last stage may send it before its own step ends
+(:meth:`OutcomeChannel.send_early`, where its rank waits for others: ``runtime/side_task.py``). An
+outcome that does not fit its schema sends ``[0, ...]`` followed by the pickled payload on the same
+group, and its schema replaces the old one. Every value
 converts to float64 and back exactly (float16, bfloat16, float32, float64), so replay is bit-identical.
 """
 
@@ -108,6 +110,7 @@ class OutcomeChannel:
         self.group = group
         self._schemas: dict[tuple, _Schema | None] = {}
         self._posted: dict[tuple, tuple[Any, Tensor]] = {}
+        self._early: dict[tuple, tuple[Any, Tensor]] = {}  # sent by send_early, completed by share
         self.pickled = 0  # outcomes sent pickled (first steps, and steps whose schema changed)
 
     def post(self, kind: str, root: int) -> None:
@@ -120,10 +123,27 @@ class OutcomeChannel:
         vector = torch.empty(schema.length, dtype=torch.float64)
         self._posted[key] = (dist.broadcast(vector, src=root, group=self.group, async_op=True), vector)
 
+    def send_early(self, kind: str, root: int, payload: Payload) -> bool:
+        """On ``root``, while its step still runs: send ``payload`` now if it fits its kind's schema (the
+        other ranks posted its receive at the start of their step); :meth:`share` completes the send.
+        False (nothing sent) for a payload that does not fit: :meth:`share` sends it at the end."""
+        key = (kind, root)
+        schema = self._schemas.get(key)
+        vector = None if schema is None or key in self._early else schema.encode(payload)
+        if vector is None:
+            return False
+        self._early[key] = (dist.broadcast(vector, src=root, group=self.group, async_op=True), vector)
+        return True
+
     def share(self, kind: str, root: int, payload: Payload | None, operation: str) -> Payload:
         """``root``'s ``payload`` on every rank of the pipeline (``payload`` is read on ``root`` only)."""
         key = (kind, root)
         schema = self._schemas.get(key)
+        early = self._early.pop(key, None)
+        if early is not None:  # sent by send_early: the other ranks take it as a vector
+            with naming_failures(operation, self.group):
+                early[0].wait()
+            return payload
         if schema is not None:
             if dist.get_rank() == root:
                 vector = schema.encode(payload)

@@ -1162,6 +1162,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             self.metric_states.begin()
         if self._outcome_channel is not None:  # the outcome's receive lands while this rank finishes the step
             self._outcome_channel.post(step_name, self._last_stage_rank())
+        early = _EarlyOutcome()
+        if self._outcome_channel is not None and self.regrouping is None and self._runs_last_stage():
+            work.side_task = lambda done: self._send_outcome_early(
+                step_name, done, plan, weights, train, deferred, early
+            )
         with self.precision_plugin.forward_context() if not train else nullcontext(), self.memory.accounting(train):
             program_started = time.perf_counter()
             outcome = self.executor.run(program, self.spans, work)
@@ -1170,7 +1175,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             outcome = self.regrouping.merge_outcome(outcome, program, self.global_rank)
         self.last_outcome = outcome
         with self.step_clock.measure("share_outcome"):
-            return self._share_outcome(step_name, outcome, plan, weights, train, deferred)
+            return self._share_outcome(step_name, outcome, plan, weights, train, deferred, early)
 
     def _lengths_vary(self, plan: MicrobatchPlan, microbatches: list[Any]) -> bool:
         """Whether activations travel with their shapes: from the first step whose microbatches are
@@ -1217,38 +1222,60 @@ class ElasticPipelineStrategy(ParallelStrategy):
             )
         return decided.weights, decided.normalizer
 
+    def _outcome_payload(
+        self, outcome: Any, plan: Any, weights: list[float], train: bool, deferred: DeferredNormalization | None
+    ) -> tuple:
+        """On the last stage, from its forwards: the step's loss, the reduced logs, the gradient's
+        normalizer, metric updates, and an error every rank raises (a loss that cannot be weighted
+        exactly), so that no rank takes an optimizer step on it."""
+        metric_updates = self.metric_states.end(plan.num_microbatches) if self.metric_states else {}
+        try:
+            normalizer = 1.0
+            if train:
+                weights, normalizer = self._step_weights(outcome, plan, weights, deferred)
+            mbs = sorted(outcome.logs)
+            log_weights = [_log_weights(outcome, mb, weights[mb], plan.weights[mb]) for mb in mbs]
+            calls = [[_marked(call, self.metric_states) for call in outcome.logs[mb]] for mb in mbs]
+            logs = reduce_log_calls(calls, log_weights)
+            loss = None
+            if train:
+                mbs = sorted(outcome.losses)
+                loss = sum(weights[mb] * outcome.losses[mb].double() for mb in mbs if weights[mb] != 0)
+            return (None if loss is None else loss.cpu(), logs, normalizer, metric_updates, None)
+        except (ValueError, TypeError) as error:
+            return (None, [], 1.0, {}, error)
+        finally:
+            self.metric_states.forget_outputs()
+
+    def _send_outcome_early(
+        self, step_name: str, outcome: Any, plan: Any, weights: list[float], train: bool,
+        deferred: DeferredNormalization | None, early: _EarlyOutcome,
+    ) -> None:
+        """The last stage's side task (``runtime/side_task.py``): the step's outcome once the last
+        stage's forwards are done, sent to the other ranks and replayed here at once when it fits its
+        schema (``runtime/outcome_channel.py``); otherwise kept for :meth:`_share_outcome`."""
+        with self.step_clock.measure("share_outcome"):
+            early.payload = self._outcome_payload(outcome, plan, weights, train, deferred)
+            if self._outcome_channel.send_early(step_name, self.global_rank, early.payload):
+                early.sent = True
+                self._replay_logs(early.payload[1])
+
     def _share_outcome(
         self, step_name: str, outcome: Any, plan: Any, weights: list[float], train: bool,
-        deferred: DeferredNormalization | None,
+        deferred: DeferredNormalization | None, early: _EarlyOutcome | None = None,
     ) -> tuple[Tensor | None, Any]:
         """Broadcast the loss, the reduced logs and the gradient's normalizer from the last stage
         (``runtime/outcome_channel.py``); normalise this step's gradient and replay the logs on every rank.
 
         An error found on the last stage (a loss that cannot be weighted exactly) travels with the
-        payload, so every rank raises it, before any optimizer step.
+        payload, so every rank raises it, before any optimizer step. ``early``: what the last stage's
+        side task already computed and sent (:meth:`_send_outcome_early`).
         """
+        early = early or _EarlyOutcome()
         last_rank = self._last_stage_rank()
-        payload = None
-        if self.global_rank == last_rank:
-            metric_updates = self.metric_states.end(plan.num_microbatches) if self.metric_states else {}
-            try:
-                normalizer = 1.0
-                if train:
-                    weights, normalizer = self._step_weights(outcome, plan, weights, deferred)
-                mbs = sorted(outcome.logs)
-                log_weights = [_log_weights(outcome, mb, weights[mb], plan.weights[mb]) for mb in mbs]
-                calls = [[_marked(call, self.metric_states) for call in outcome.logs[mb]] for mb in mbs]
-                logs = reduce_log_calls(calls, log_weights)
-                loss = None
-                if train:
-                    loss = sum(
-                        weights[mb] * outcome.losses[mb].double() for mb in sorted(outcome.losses) if weights[mb] != 0
-                    )
-                payload = (None if loss is None else loss.cpu(), logs, normalizer, metric_updates, None)
-            except (ValueError, TypeError) as error:
-                payload = (None, [], 1.0, {}, error)
-            finally:
-                self.metric_states.forget_outputs()
+        payload = early.payload
+        if payload is None and self.global_rank == last_rank:
+            payload = self._outcome_payload(outcome, plan, weights, train, deferred)
         if self._outcome_channel is not None:
             payload = self._outcome_channel.share(
                 step_name, last_rank, payload,
@@ -1261,13 +1288,19 @@ class ElasticPipelineStrategy(ParallelStrategy):
             deferred.end(normalizer)
         if self.global_rank != last_rank and metric_updates:
             self.metric_states.apply(metric_updates, self.root_device)
-        for call in logs:
-            value = self.metric_states.resolve(call.value, self.root_device)
-            self.lightning_module.log(call.name, value.to(self.root_device) if isinstance(value, Tensor) else value, **call.kwargs)
+        if not early.sent:
+            self._replay_logs(logs)
         dtype = torch.get_default_dtype() if loss is None else next(
             (p.dtype for p in self.lightning_module.parameters() if p.is_floating_point()), torch.float32
         )
         return None if loss is None else loss.to(self.root_device, dtype), outcome
+
+    def _replay_logs(self, logs: list) -> None:
+        """The step's reduced ``self.log`` calls, made on this rank's module (every rank logs alike)."""
+        for call in logs:
+            value = self.metric_states.resolve(call.value, self.root_device)
+            value = value.to(self.root_device) if isinstance(value, Tensor) else value
+            self.lightning_module.log(call.name, value, **call.kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -1586,6 +1619,14 @@ def _regrouping(enabled: bool, arguments: dict[str, Any]) -> Regrouping | None:
         ranks_per_device=arguments["ranks_per_device"], memory_settings=memory,
     )
     return Regrouping()
+
+
+@dataclasses.dataclass
+class _EarlyOutcome:
+    """What the last stage's side task did with the step's outcome: computed it, and sent it early."""
+
+    payload: tuple | None = None
+    sent: bool = False
 
 
 def _marked(call: Any, metric_states: MetricStates) -> Any:

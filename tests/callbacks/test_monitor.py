@@ -170,3 +170,23 @@ def test_message_latency_of_a_real_step_comes_from_arrivals():
     assert measured_latency(real) == pytest.approx(0.25)
     without_arrivals = [dataclasses.replace(e, arrival=None) for e in real]
     assert measured_latency(without_arrivals) == pytest.approx(0.15)  # the bound from starts alone
+
+
+def test_step_breakdown_sums_to_the_step_with_work_inside_the_program():
+    """A part the strategy measured between the program's actions (the outcome as a side task) is
+    its own entry, taken out of the executor's time between actions, not out of what is outside."""
+    from lightning_pipe.callbacks.monitor import step_breakdown
+    from lightning_pipe.runtime import ActionRecord
+    from lightning_pipe.schedules import Action, ActionType
+
+    records = [
+        ActionRecord(Action(0, ActionType.FORWARD, 0), 0.0, 1.0),
+        ActionRecord(Action(0, ActionType.BACKWARD, 0), 1.5, 4.0, wait=1.0),  # the task ran at 1.0-1.5
+    ]
+    parts = {"share_outcome": 0.7}  # 0.5 of it inside the program
+    plain = step_breakdown(records, 5.0, parts)
+    inside = step_breakdown(records, 5.0, parts, inside=0.5)
+    assert sum(plain.values()) == pytest.approx(5.0) and sum(inside.values()) == pytest.approx(5.0)
+    assert inside["between_actions"] == pytest.approx(0.0) and plain["between_actions"] == pytest.approx(0.5)
+    assert inside["outside_program"] == pytest.approx(0.8) and plain["outside_program"] == pytest.approx(0.3)
+    assert inside["compute"] == pytest.approx(2.5) and inside["wait"] == pytest.approx(1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lightning_pipe import ElasticPipelineStrategy
 from lightning_pipe.schedules import ActionType, Instruction, register_instruction, unregister_instruction
@@ -35,6 +36,37 @@ def test_family_parity(tmp_path, schedule, pp, layers, merge):
     pipelined = fit(make, batches, strategy, devices=pp, steps=STEPS)
     reference = fit(make, reference_batches(batches, 1), steps=STEPS)
     assert_same_parameters(pipelined, reference, atol=1e-10)
+
+
+def test_outcome_shared_before_the_step_ends_keeps_parity(tmp_path, monkeypatch):
+    """ZB-V puts the last stage on rank 0, whose last backwards wait for rank 1: the step's loss, logs
+    and gradient normalizer go out from there (runtime/side_task.py, forced right after the last
+    stage's last forward here). Parameters and every logged loss equal one process's."""
+    from lightning_pipe.runtime.outcome_channel import OutcomeChannel
+    from lightning_pipe.runtime.side_task import SideTaskPlacer
+    from tests.helpers.training import logged
+
+    sent = tmp_path / "sent_early"
+    send_early = OutcomeChannel.send_early
+
+    def recorded(self, kind, root, payload):
+        done = send_early(self, kind, root, payload)
+        if done:
+            with open(sent, "a") as f:
+                f.write(f"{kind}\n")
+        return done
+
+    monkeypatch.setattr(OutcomeChannel, "send_early", recorded)
+    monkeypatch.setattr(SideTaskPlacer, "point", lambda self, program: 0)  # as early as the outcome is known
+    steps = 4
+    batches = token_batches(steps, batch_size=4, lengths=[9, 5, 13, 7])
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule="zbv", start_method=START_METHOD)
+    pipelined = fit(make, batches, strategy, devices=2, steps=steps, log_dir=tmp_path / "pipe")
+    reference = fit(make, reference_batches(batches, 1), steps=steps, log_dir=tmp_path / "ref")
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    torch.testing.assert_close(logged(tmp_path / "pipe", "train_loss"), logged(tmp_path / "ref", "train_loss"))
+    assert sent.read_text().split() == ["training_step"] * (steps - 1)  # the first step sends its schema pickled
 
 
 def test_switching_family_mid_training_keeps_parity(tmp_path):
