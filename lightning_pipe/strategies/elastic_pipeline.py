@@ -1255,10 +1255,13 @@ class ElasticPipelineStrategy(ParallelStrategy):
         stage's forwards are done, sent to the other ranks and replayed here at once when it fits its
         schema (``runtime/outcome_channel.py``); otherwise kept for :meth:`_share_outcome`."""
         with self.step_clock.measure("share_outcome"):
-            early.payload = self._outcome_payload(outcome, plan, weights, train, deferred)
-            if self._outcome_channel.send_early(step_name, self.global_rank, early.payload):
-                early.sent = True
-                self._replay_logs(early.payload[1])
+            try:
+                early.payload = self._outcome_payload(outcome, plan, weights, train, deferred)
+                if self._outcome_channel.send_early(step_name, self.global_rank, early.payload):
+                    early.sent = True
+                    self._replay_logs(early.payload[1])
+            except Exception as error:  # raised after the program: the other ranks must not wait for its actions
+                early.error = error
 
     def _share_outcome(
         self, step_name: str, outcome: Any, plan: Any, weights: list[float], train: bool,
@@ -1272,6 +1275,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         side task already computed and sent (:meth:`_send_outcome_early`).
         """
         early = early or _EarlyOutcome()
+        if early.error is not None:
+            raise early.error
         last_rank = self._last_stage_rank()
         payload = early.payload
         if payload is None and self.global_rank == last_rank:
@@ -1623,10 +1628,12 @@ def _regrouping(enabled: bool, arguments: dict[str, Any]) -> Regrouping | None:
 
 @dataclasses.dataclass
 class _EarlyOutcome:
-    """What the last stage's side task did with the step's outcome: computed it, and sent it early."""
+    """What the last stage's side task did with the step's outcome: computed it, sent it early, or
+    failed (raised at the step's end, as before the task existed)."""
 
     payload: tuple | None = None
     sent: bool = False
+    error: Exception | None = None
 
 
 def _marked(call: Any, metric_states: MetricStates) -> Any:

@@ -69,6 +69,25 @@ def test_outcome_shared_before_the_step_ends_keeps_parity(tmp_path, monkeypatch)
     assert sent.read_text().split() == ["training_step"] * (steps - 1)  # the first step sends its schema pickled
 
 
+def test_a_failing_early_outcome_raises_after_the_program():
+    """An exception in the last stage's side task (here its payload) does not leave the program half
+    run, with the other ranks waiting for its remaining actions: it is kept and raised where the step
+    raised it before, at the outcome's share, ahead of any broadcast."""
+    from lightning_pipe.strategies.elastic_pipeline import _EarlyOutcome
+
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4)
+
+    def failing(*args):
+        raise RuntimeError("payload bug")
+
+    strategy._outcome_payload = failing
+    early = _EarlyOutcome()
+    strategy._send_outcome_early("training_step", None, None, [], True, None, early)  # does not raise
+    assert isinstance(early.error, RuntimeError) and early.sent is False
+    with pytest.raises(RuntimeError, match="payload bug"):
+        strategy._share_outcome("training_step", None, None, [], True, None, early)
+
+
 def test_switching_family_mid_training_keeps_parity(tmp_path):
     """1F1B, then ZB-V (two stages per rank: units migrate), then GPipe."""
     from lightning_pipe.callbacks import ScheduleSwitch
