@@ -48,7 +48,6 @@ __all__ = [
 TorchDispatchMode = private_name("torch.utils._python_dispatch", "TorchDispatchMode", "runtime/_torch_compat.py")
 
 
-
 def _accumulator_class() -> type:
     leaf = torch.zeros(1, requires_grad=True)
     return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
@@ -57,6 +56,7 @@ def _accumulator_class() -> type:
 # the class of a leaf's gradient accumulator node (its ``variable`` is the leaf), found from a graph:
 # torch names it only in the private ``torch._C._functions``
 AccumulateGrad = _accumulator_class()
+
 
 _ENGINE_RUN_BACKWARD = private_name("torch.autograd.graph", "_engine_run_backward", "runtime/_torch_compat.py")
 

@@ -1163,7 +1163,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if self._outcome_channel is not None:  # the outcome's receive lands while this rank finishes the step
             self._outcome_channel.post(step_name, self._last_stage_rank())
         early = _EarlyOutcome()
-        if self._outcome_channel is not None and self.regrouping is None and self._runs_last_stage():
+        if train and self._outcome_channel is not None and self.regrouping is None and self._runs_last_stage():
             work.side_task = lambda done: self._send_outcome_early(
                 step_name, done, plan, weights, train, deferred, early
             )
