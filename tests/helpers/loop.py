@@ -29,8 +29,9 @@ from tests.helpers.training import SEED, START_METHOD, BatchDataset, _merge
 
 @contextlib.contextmanager
 def started_outside(rank: int, init_file: str, world_size: int = 2) -> Iterator[None]:
-    """This spawned process as rank ``rank`` of processes started outside Lightning, as torchrun starts
-    them: the default gloo group is made here, and every trainer call runs in place, one after another."""
+    """This process (forked or spawned by the test) as rank ``rank`` of processes started outside Lightning,
+    as torchrun starts them: the default gloo group is made here, and every trainer call runs in place, one
+    after another."""
     os.environ.update(
         LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="0"
     )

@@ -35,7 +35,9 @@ def token_batches(num: int, batch_size: int, lengths: list[int] | int, vocab: in
 SEED = 1234
 # Multi-process tests start their ranks from plain pytest. "fork" skips re-importing torch and
 # Lightning in every rank (about 3x faster on 2 cores); test_parity keeps one "spawn" run so the
-# spawn launcher path stays covered.
+# spawn launcher path stays covered. Tests that start ranks themselves (processes started outside
+# Lightning, as torchrun starts them) pass it to ``torch.multiprocessing.start_processes`` too: what
+# they test happens after the processes exist, and "spawn" only added the imports (about 6 s a test).
 START_METHOD = "fork"
 
 

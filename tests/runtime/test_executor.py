@@ -17,6 +17,7 @@ from lightning_pipe.model import StageRunner, StageSpan, analyze_units, find_blo
 from lightning_pipe.runtime import PipelineExecutor, PointToPoint, StepWork
 from lightning_pipe.schedules import merge_split_backwards, resolve_schedule
 from tests.helpers.models import TinyGPT
+from tests.helpers.training import START_METHOD
 
 LENGTHS = [3, 11, 6, 8]  # one sequence length per microbatch
 BOUNDARIES = (0, 1, 4)  # 2 stages: block 0 | blocks 1-3
@@ -146,7 +147,10 @@ def _assert_same_gradients(got: dict[str, torch.Tensor], expected: dict[str, tor
 
 @pytest.mark.parametrize("lengths", [LENGTHS, [7] * 4], ids=["own-lengths", "same-shapes-received-early"])
 def test_variable_length_microbatches_match_single_process(tmp_path, lengths):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "1f1b", lengths), nprocs=2, join=True)
+    mp.start_processes(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path), "1f1b", lengths), nprocs=2, join=True,
+        start_method=START_METHOD,
+    )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # the first stage receives every gradient early; the second every activation but the first
     assert [parts[0]["early"], parts[1]["early"]] == ([4, 3] if len(set(lengths)) == 1 else [4, 0])
@@ -160,7 +164,10 @@ def test_variable_length_microbatches_match_single_process(tmp_path, lengths):
 def test_a_program_with_merged_pairs_runs_each_b_whole_and_each_i_split(tmp_path):
     """ZB-V on 2 ranks with some pairs merged into one B (``merge_split_backwards``): every B runs one
     full backward, every I the input-gradient pass only. Gradients equal one process's."""
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "zbv+merged", LENGTHS), nprocs=2, join=True)
+    mp.start_processes(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path), "zbv+merged", LENGTHS), nprocs=2, join=True,
+        start_method=START_METHOD,
+    )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     kinds = set()
     for part in parts:
@@ -176,9 +183,9 @@ def test_backward_runs_outside_the_steps_autocast(tmp_path, schedule):
     """Under bf16 autocast (the strategy runs the step, backward included, in the precision plugin's
     context) every backward runs as Lightning's does, outside it: a block's float32 region keeps its
     weight gradients at float32 precision (autocast inside the engine would compute them in bf16)."""
-    mp.spawn(
+    mp.start_processes(
         _worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule, LENGTHS, "float32-regions", True),
-        nprocs=2, join=True,
+        nprocs=2, join=True, start_method=START_METHOD,
     )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     got, expected = parts[0]["grads"] | parts[1]["grads"], _autocast_reference(LENGTHS)

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from lightning_pipe.model.stage_runner import LogCall
 from lightning_pipe.runtime.outcome_channel import OutcomeChannel
+from tests.helpers.training import START_METHOD
 
 
 def _payload(step: int, *, extra: bool = False, metric: bool = False, error: bool = False):
@@ -73,7 +74,9 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 def test_every_rank_gets_the_last_stages_outcome_bit_for_bit_and_numbers_only_while_its_schema_holds(tmp_path):
     world = 3
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    mp.start_processes(
+        _worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True, start_method=START_METHOD
+    )
     expected = [_bits(build()) for _, _, build, _ in STEPS]
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")

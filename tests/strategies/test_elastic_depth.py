@@ -270,7 +270,10 @@ def test_a_new_trainer_gathers_what_an_elastic_depth_fit_left_where_it_moved_it(
     from tests.helpers.loop import loader, run
     from tests.strategies.test_loop_features import EvalGPT
 
-    mp.spawn(_depth_fit_then_plain_validate, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _depth_fit_then_plain_validate, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+        start_method=START_METHOD,
+    )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(part["boundaries"] == ((0, 1, 4), (0, 2, 4)) for part in parts)  # block 1 had to move back
     batches = token_batches(2, batch_size=4, lengths=[6, 9], seed=3)

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_pipe.model import real_parameter_bytes
 from tests.helpers.loop import Record, ScheduledGPT, loader, pipeline, rank_files, records, run, started_outside
 from tests.helpers.models import MaskedModel, TinyGPT
-from tests.helpers.training import assert_same_parameters, logged, reference_batches, token_batches
+from tests.helpers.training import START_METHOD, assert_same_parameters, logged, reference_batches, token_batches
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -339,7 +339,10 @@ def test_fit_validate_and_test_in_the_same_processes_share_groups_and_the_last_p
     returns."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_fit_validate_test_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _fit_validate_test_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+        start_method=START_METHOD,
+    )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(part["same_groups"] and part["boundaries"] == (0, 1, 4) for part in parts)
 
@@ -391,7 +394,10 @@ def test_fit_again_in_the_same_processes_trains_from_where_the_first_fit_left_th
     the parameters after both equal one process doing the same (float64, 1e-10)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_fit_twice_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _fit_twice_in_place, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+        start_method=START_METHOD,
+    )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [(part["steps"], part["boundaries"]) for part in parts] == [(4, (0, 1, 4))] * 2
     pipelined = parts[0]["params"] | parts[1]["params"]

@@ -247,6 +247,6 @@ def test_a_module_cut_by_one_placement_is_refused_by_another_in_the_same_process
     import torch.multiprocessing as mp
 
     arguments = (str(tmp_path / "init"), str(tmp_path), first, second)
-    mp.spawn(_one_then_another_in_place, args=arguments, nprocs=2, join=True)
+    mp.start_processes(_one_then_another_in_place, args=arguments, nprocs=2, join=True, start_method=START_METHOD)
     errors = rank_files(tmp_path)
     assert sorted(errors) == [0, 1] and all(message in error for error in errors.values()), errors
