@@ -16,6 +16,7 @@ from .auto import AutoScheduleRow, auto_schedule, format_auto_table, render_auto
 from .backward_merging import (
     merge_backward_pairs,
     merge_decision_costs,
+    measured_merge_costs,
     merge_split_backwards,
     mergeable_pairs,
     merged_if_split,
@@ -100,6 +101,7 @@ __all__ = [
     "merge_decision_costs",
     "merged_program",
     "merged_if_split",
+    "measured_merge_costs",
     # DSL
     "ScheduleSpec",
     "parse_spec",

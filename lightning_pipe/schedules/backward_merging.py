@@ -30,7 +30,7 @@ from .simulate import simulate
 from .validate import validate
 
 __all__ = ["mergeable_pairs", "merge_backward_pairs", "merge_split_backwards", "merge_decision_costs", "merged_program",
-           "merged_if_split"]
+           "merged_if_split", "measured_merge_costs"]
 
 _I, _W, _B = ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT, ActionType.BACKWARD
 _SENDS = frozenset({ActionType.SEND_F, ActionType.SEND_B})
@@ -103,6 +103,55 @@ def merge_decision_costs(program: Program, split: SplitBackward | None = None) -
         return tuple((2.0 * rows[s][index],) * per_microbatch for s in stages)
 
     return dataclasses.replace(costs, backward_input=table(0), backward_weight=table(1))
+
+
+def measured_merge_costs(
+    program: Program,
+    forward: dict[int, float],
+    backward: dict[int, float],
+    input_gradient: dict[int, float],
+    weight_gradient: dict[int, float],
+) -> ActionCosts | None:
+    """Costs for deciding ``program``'s merges from what its stages measured (seconds per action, by stage).
+
+    :func:`merge_decision_costs` prices every stage alike and the split at ideal halves, which is all a
+    program built before the first step can know; a step measures more: the first and last stages carry
+    the embeddings and the head, and a split costs more than one ``B`` (``docs/schedules.md``). The split's
+    shares come from the stages that ran both kinds (:meth:`SplitBackward.measured`); a stage that ran
+    only split pairs is priced at its ``I + W`` over those shares. Microbatches cost alike (fixed shapes;
+    with varying lengths the measurements are typical values).
+
+    Returns:
+        Per-stage costs, or None when they cannot be priced: a stage without a forward or a backward
+        measured, or no stage after the first that ran both a whole ``B`` and a split pair.
+    """
+    stages = range(program.num_stages)
+    both = [s for s in stages if s > 0 and s in backward and s in input_gradient and s in weight_gradient]
+    if not both or any(s not in forward for s in stages):
+        return None
+    split = SplitBackward.measured(
+        sum(input_gradient[s] for s in both), sum(weight_gradient[s] for s in both), sum(backward[s] for s in both)
+    )
+    full = {}
+    for s in stages:
+        if s in backward:
+            full[s] = backward[s]
+        elif s > 0 and s in input_gradient and s in weight_gradient:
+            full[s] = (input_gradient[s] + weight_gradient[s]) / sum(split.shares(s))
+        else:
+            return None
+    m = program.num_microbatches
+
+    def table(value: Callable[[int], float]) -> tuple[tuple[float, ...], ...]:
+        return tuple((float(value(s)),) * m for s in stages)
+
+    return ActionCosts(
+        forward=table(forward.__getitem__),
+        backward=table(full.__getitem__),
+        backward_input=table(lambda s: split.shares(s)[0] * full[s]),
+        backward_weight=table(lambda s: split.shares(s)[1] * full[s]),
+        saved_bytes=table(lambda s: 1.0),
+    )
 
 
 def merge_split_backwards(program: Program, costs: ActionCosts | None = None) -> Program:

@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal, Union
 
 import torch
@@ -92,6 +93,7 @@ from lightning_pipe.runtime.packing import (
 from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
 from lightning_pipe.runtime.regroup import LayoutExecutor
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
+from lightning_pipe.runtime.merge_tuning import MergeTuning
 from lightning_pipe.runtime.side_runs import quiet_forward
 from lightning_pipe.runtime.step_clock import StepClock
 from lightning_pipe.schedules import (
@@ -99,8 +101,10 @@ from lightning_pipe.schedules import (
     Schedule,
     SplitBackward,
     forward_only,
+    merge_split_backwards,
     merged_program,
     resolve_schedule,
+    simulate,
     validate,
 )
 from lightning_pipe.schedules.action_rules import check_executable
@@ -204,7 +208,10 @@ class ElasticPipelineStrategy(ParallelStrategy):
             full backward where the program runs the ``W`` right after its ``I`` (any sends between them then
             leave after it) and the simulator finds that splitting it does not make the step shorter
             (``schedules.backward_merging``): on CPU a split pair costs 14-24% more than one backward.
-            Exact either way; False runs every split as the family writes it.
+            Decided first on uniform costs, then once more on what the first steps measured (each stage's
+            own forward and backward times, the split's measured cost: ``runtime/merge_tuning.py``), kept
+            where the simulator finds it shorter and holding no more memory. Exact either way; False runs
+            every split as the family writes it.
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
             writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
             ``ModelParallelStrategy`` and ``FSDPStrategy`` do), so memory and time scale with a rank's
@@ -311,6 +318,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._trim_padding = trim_padding and not elastic_depth
         self._group_by_length = group_by_length
         self._merge_split_backward = merge_split_backward
+        self._merge_tuning = MergeTuning()  # merges decided again on measured action times
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._shapes_vary = False  # see _lengths_vary
         self._last_shapes: list[list[tuple[int, ...]]] | None = None
@@ -716,10 +724,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if plan.widths is not None:
             return self.regrouping.program(plan.widths, plan.num_microbatches)
         schedule = resolve_schedule(plan.schedule)
-        key = (schedule, self.pipeline_parallel_size, plan.num_microbatches, self._split_shares())
+        measured = self._measured_seconds(schedule, plan.boundaries, plan.num_microbatches)
+        key = (schedule, self.pipeline_parallel_size, plan.num_microbatches, self._split_shares(), measured)
         program = self._programs.get(key)
         if program is None:
-            program = self._build_program(schedule, plan.num_microbatches)
+            program = self._build_program(schedule, plan.num_microbatches, measured)
             self._programs = {**dict(list(self._programs.items())[-15:]), key: program}
         return program
 
@@ -728,15 +737,55 @@ class ElasticPipelineStrategy(ParallelStrategy):
         estimate = self.costs.estimate
         return None if estimate is None else estimate.cost_model.split_backward
 
-    def _build_program(self, schedule: Schedule, num_microbatches: int) -> Program:
+    def _build_program(self, schedule: Schedule, num_microbatches: int, measured: Any = None) -> Program:
         """``schedule``'s validated program for ``num_microbatches``, its split backwards merged where
-        splitting them buys nothing (``merge_split_backward``)."""
+        splitting them buys nothing (``merge_split_backward``), priced with ``measured`` stage seconds
+        when given (:meth:`_measured_merge`)."""
         if self._merge_split_backward:  # validated; a family without I comes back as built
             program = merged_program(schedule, self.pipeline_parallel_size, num_microbatches, self._split_shares())
+            if measured is not None and self._split_shares() is None:  # a planner's measured shares come first
+                program = self._measured_merge(schedule, num_microbatches, measured, program)
         else:
             program = validate(schedule.build(self.pipeline_parallel_size, num_microbatches))
         check_executable(program)
         return program
+
+    def _measured_merge(self, schedule: Schedule, num_microbatches: int, measured: Any, default: Program) -> Program:
+        """The family's merges decided on the measured stage seconds, where the simulator finds that program
+        shorter than ``default`` under them and no rank holding more microbatches' activations at once.
+
+        The decision is this rank's own (ranks agree on the seconds, but a merge never changes a message, so
+        ranks may even run different merges); only the memory test keeps it from costing more than the plan
+        the memory planners saw.
+        """
+        raw = validate(schedule.build(self.pipeline_parallel_size, num_microbatches))
+        costs = measured.costs(raw)
+        if costs is None:
+            return default
+        tuned = merge_split_backwards(raw, costs)
+        new, old = simulate(tuned, costs, record_events=False), simulate(default, costs, record_events=False)
+        holds_more = any(a > b for a, b in zip(new.peak_memory, old.peak_memory))
+        return tuned if new.makespan < old.makespan and not holds_more else default
+
+    def _measured_seconds(self, schedule: Schedule, boundaries: Sequence[int], num_microbatches: int) -> Any:
+        """The stage seconds the pipeline agreed on for this family and partition, or None."""
+        tuning = self._merge_tuning
+        if tuning.seconds is None or tuning.key != (schedule, tuple(boundaries), num_microbatches):
+            return None
+        return tuning.seconds
+
+    def _tune_merges(self, program: Program, records: Sequence[Any]) -> None:
+        """Time a training step of a program that splits its backward; once enough are timed, agree on
+        the stage seconds in the pipeline group and install the plan again with merges decided on them
+        (nothing moves: the placement is the same). Every rank of the pipeline runs the same steps and
+        programs, so all reach the agreement at the same step."""
+        if not (self._merge_split_backward and program.splits_backward and program is self.program):
+            return
+        tuning = self._merge_tuning
+        tuning.record((self.schedule, tuple(self.boundaries), self.num_microbatches), records)
+        if tuning.due:
+            tuning.agree(self.program.num_stages, self.groups.pipeline if self.groups is not None else None)
+            self._install(self.plan)
 
     @property
     def merges_split_backward(self) -> bool:
@@ -1174,6 +1223,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         if self.regrouping is not None:
             outcome = self.regrouping.merge_outcome(outcome, program, self.global_rank)
         self.last_outcome = outcome
+        if train and self.regrouping is None:
+            self._tune_merges(program, outcome.records)
         with self.step_clock.measure("share_outcome"):
             return self._share_outcome(step_name, outcome, plan, weights, train, deferred, early)
 

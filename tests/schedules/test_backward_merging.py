@@ -14,6 +14,7 @@ from lightning_pipe.schedules import (
     auto_schedule,
     merge_backward_pairs,
     merge_decision_costs,
+    measured_merge_costs,
     merge_split_backwards,
     mergeable_pairs,
     merged_if_split,
@@ -132,3 +133,49 @@ def test_auto_schedule_prices_the_merged_program_when_the_strategy_merges():
 def test_merged_if_split_is_the_merged_program_for_a_split_family_and_none_otherwise():
     assert merged_if_split(resolve_schedule("1f1b"), 2, 4) is None
     assert merged_if_split(resolve_schedule("zbv"), 2, 4, MEASURED) is merged_program(resolve_schedule("zbv"), 2, 4, MEASURED)
+
+
+# seconds a ZB-V step of the benchmark GPT measured per stage at 2 ranks, partition [2, 1, 3, 2] (session 19):
+# the first stage carries the embeddings, the last the head and the loss; stage 0's split is all W
+MEASURED_FORWARD = {0: 7.78, 1: 4.37, 2: 10.92, 3: 9.96}
+MEASURED_BACKWARD = {0: 12.16, 1: 5.3, 2: 15.94, 3: 13.43}
+MEASURED_INPUT = {1: 4.36, 2: 12.04, 3: 8.79}
+MEASURED_WEIGHT = {1: 1.99, 2: 5.59, 3: 4.32}
+
+
+def test_measured_merge_costs_price_each_stage_and_the_split_as_measured():
+    program = _program("zbv", 2, 4)
+    costs = measured_merge_costs(program, MEASURED_FORWARD, MEASURED_BACKWARD, MEASURED_INPUT, MEASURED_WEIGHT)
+    shares = SplitBackward.measured(sum(MEASURED_INPUT.values()), sum(MEASURED_WEIGHT.values()), 5.3 + 15.94 + 13.43)
+    for stage in range(4):
+        assert costs.forward[stage] == (MEASURED_FORWARD[stage],) * 4
+        assert costs.backward[stage] == (MEASURED_BACKWARD[stage],) * 4
+        i, w = shares.shares(stage)
+        assert costs.backward_input[stage][0] == pytest.approx(i * MEASURED_BACKWARD[stage])
+        assert costs.backward_weight[stage][0] == pytest.approx(w * MEASURED_BACKWARD[stage])
+    assert costs.backward_input[0][0] == 0.0  # the first stage has no input gradient: its W is the whole backward
+    # a stage that ran only split pairs is priced at its I + W over the split's shares
+    only_split = dict(MEASURED_BACKWARD)
+    del only_split[2]
+    costs = measured_merge_costs(program, MEASURED_FORWARD, only_split, MEASURED_INPUT, MEASURED_WEIGHT)
+    shares = SplitBackward.measured(4.36 + 8.79, 1.99 + 4.32, 5.3 + 13.43)  # from the stages that ran both
+    assert costs.backward[2][0] == pytest.approx((12.04 + 5.59) / sum(shares.shares(2)))
+
+
+def test_measured_merge_costs_are_none_where_the_measurement_cannot_price_the_program():
+    program = _program("zbv", 2, 4)
+    no_forward = {s: t for s, t in MEASURED_FORWARD.items() if s != 3}
+    assert measured_merge_costs(program, no_forward, MEASURED_BACKWARD, MEASURED_INPUT, MEASURED_WEIGHT) is None
+    assert measured_merge_costs(program, MEASURED_FORWARD, MEASURED_BACKWARD, {}, {}) is None  # no split measured
+    no_backward = {s: t for s, t in MEASURED_BACKWARD.items() if s != 0}
+    assert measured_merge_costs(program, MEASURED_FORWARD, no_backward, MEASURED_INPUT, MEASURED_WEIGHT) is None
+
+
+def test_merges_decided_on_measured_costs_are_never_slower_there_than_the_uniform_decision():
+    """What the strategy does once steps have measured: decide again, keep it where it is shorter."""
+    program = _program("zbv", 2, 4)
+    costs = measured_merge_costs(program, MEASURED_FORWARD, MEASURED_BACKWARD, MEASURED_INPUT, MEASURED_WEIGHT)
+    uniform = merged_program(resolve_schedule("zbv"), 2, 4)
+    measured = merge_split_backwards(program, costs)
+    assert simulate(measured, costs).makespan < simulate(uniform, costs).makespan  # 174.3 against 177.5 here
+    assert measured != uniform

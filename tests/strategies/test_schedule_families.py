@@ -154,3 +154,43 @@ def test_a_registered_instruction_runs_where_the_schedule_places_it(tmp_path):
     for rank in (0, 1):  # after the backward of microbatches 1 and 3 of the rank's stage, every step
         lines = (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
         assert [json.loads(line) for line in lines] == [["MARK", rank, 1], ["MARK", rank, 3]] * STEPS
+
+
+def test_merges_decided_again_on_measured_times_keep_parity(tmp_path, monkeypatch):
+    """After a few timed steps the pipeline agrees on each stage's measured seconds (one all-reduce) and
+    installs ZB-V again with its pairs merged as those costs say (runtime/merge_tuning.py). The agreed
+    seconds are replaced here by a benchmark's (after the real all-reduce), under which the decision
+    differs from the uniform one, so the steps after it run another program; parameters equal one
+    process's all the same."""
+    from lightning_pipe.runtime.merge_tuning import MergeTuning, StageSeconds
+    from lightning_pipe.schedules import merged_program, resolve_schedule
+
+    log = tmp_path / "tuned"
+    agree, measured_merge = MergeTuning.agree, ElasticPipelineStrategy._measured_merge
+    benchmark = StageSeconds(  # the benchmark GPT's stages (tests/schedules/test_backward_merging.py)
+        {0: 7.78, 1: 4.37, 2: 10.92, 3: 9.96}, {0: 12.16, 1: 5.3, 2: 15.94, 3: 13.43},
+        {1: 4.36, 2: 12.04, 3: 8.79}, {1: 1.99, 2: 5.59, 3: 4.32},
+    )
+
+    def agree_then_use_the_benchmarks(self, num_stages, group):
+        measured = agree(self, num_stages, group)
+        assert set(measured.forward) == set(range(num_stages))  # every stage's forward came through the reduce
+        self.seconds = benchmark
+        return benchmark
+
+    def logged_merge(self, schedule, num_microbatches, seconds, default):
+        program = measured_merge(self, schedule, num_microbatches, seconds, default)
+        with open(log, "a") as f:
+            f.write(f"{int(program != merged_program(resolve_schedule('zbv'), 2, num_microbatches))}\n")
+        return program
+
+    monkeypatch.setattr(MergeTuning, "agree", agree_then_use_the_benchmarks)
+    monkeypatch.setattr(ElasticPipelineStrategy, "_measured_merge", logged_merge)
+    steps = 8  # 2 not timed, 3 timed, then 3 steps with the program decided on the agreed seconds
+    batches = token_batches(steps, batch_size=4, lengths=[9, 5, 13, 7, 9, 11, 6, 8])
+    make = lambda: TinyGPT(layers=4).double()  # noqa: E731
+    strategy = ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule="zbv", start_method=START_METHOD)
+    pipelined = fit(make, batches, strategy, devices=2, steps=steps)
+    reference = fit(make, reference_batches(batches, 1), steps=steps)
+    assert_same_parameters(pipelined, reference, atol=1e-10)
+    assert log.read_text().split() == ["1", "1"]  # on both ranks, once, a program other than the uniform decision
