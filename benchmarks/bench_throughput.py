@@ -41,7 +41,8 @@ default 1f1b) N rounds, rotating the order every round, and prints each round's 
 and their medians, and the CPU time per step of every rank. A row may name its partition:
 ``zbv@auto`` runs ``partition="auto"`` (the partition whose simulated step is fastest for the
 longest batch, under the meta-device cost model), ``zbv@2-1-3-2`` blocks per stage; without ``@``
-the strategy's default ``"balanced"``. ``--breakdown`` adds the
+the strategy's default ``"balanced"``; ``~uniform`` at the end keeps zero-bubble merges as decided
+before the first step (``merge_split_backward="uniform"``). ``--breakdown`` adds the
 ``PipelineMonitor`` to the lightning-pipe runs and prints where rank 0's step went (compute,
 receive waits, sends, the executor between actions, everything outside the program) and the compute
 of each kind of action on both ranks (``F``, ``B``; ``I`` and ``W`` for zero-bubble families: what the
@@ -402,20 +403,26 @@ def lightning_pipe_result(args: argparse.Namespace, callbacks: list = (), first:
 
 
 def strategy_options(row: str) -> dict:
-    """The strategy's arguments for a lightning-pipe row ``FAMILY[@PARTITION]``: ``zbv``, ``zbv@auto``
+    """The strategy's arguments for a lightning-pipe row ``FAMILY[@PARTITION][~uniform]``: ``zbv``, ``zbv@auto``
     (``partition="auto"``: the simulated-fastest partition for the longest batch, strategies/costs.py),
-    ``zbv@2-1-3-2`` (blocks per stage); without ``@``, the strategy's default ``"balanced"``."""
-    schedule, _, partition = row.partition("@")
+    ``zbv@2-1-3-2`` (blocks per stage); without ``@``, the strategy's default ``"balanced"``. ``~uniform``:
+    ``merge_split_backward="uniform"`` (zero-bubble merges not decided again on measured times)."""
+    error = ValueError(
+        f"`{row}`: a row is FAMILY[@PARTITION][~uniform], PARTITION auto, balanced or blocks per stage (2-1-3-2)"
+    )
+    head, _, merge = row.partition("~")
+    if merge not in ("", "uniform"):
+        raise error
+    schedule, _, partition = head.partition("@")
+    options = {"schedule": schedule, **({"merge_split_backward": merge} if merge else {})}
     if not partition:
-        return {"schedule": schedule}
+        return options
     if partition in ("auto", "balanced"):
-        return {"schedule": schedule, "partition": partition}
+        return {**options, "partition": partition}
     try:
-        return {"schedule": schedule, "partition": [int(blocks) for blocks in partition.split("-")]}
+        return {**options, "partition": [int(blocks) for blocks in partition.split("-")]}
     except ValueError:
-        raise ValueError(
-            f"`{row}`: a row is FAMILY[@PARTITION], PARTITION auto, balanced or blocks per stage (2-1-3-2)"
-        ) from None
+        raise error from None
 
 
 # ----------------------------------------------------------------------------- steps interleaved

@@ -210,8 +210,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
             (``schedules.backward_merging``): on CPU a split pair costs 14-24% more than one backward.
             Decided first on uniform costs, then once more on what the first steps measured (each stage's
             own forward and backward times, the split's measured cost: ``runtime/merge_tuning.py``), kept
-            where the simulator finds it shorter and holding no more memory. Exact either way; False runs
-            every split as the family writes it.
+            where the simulator finds it shorter and holding no more memory. ``"uniform"``: the first
+            decision only (the program does not depend on timings). Exact either way; False runs every
+            split as the family writes it.
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
             writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
             ``ModelParallelStrategy`` and ``FSDPStrategy`` do), so memory and time scale with a rank's
@@ -263,7 +264,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         allow_sample_mixing: bool = False,
         trim_padding: bool = True,
         group_by_length: bool = True,
-        merge_split_backward: bool = True,
+        merge_split_backward: bool | Literal["uniform"] = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         packing: bool | Packer = False,
@@ -317,7 +318,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._allow_sample_mixing = allow_sample_mixing
         self._trim_padding = trim_padding and not elastic_depth
         self._group_by_length = group_by_length
-        self._merge_split_backward = merge_split_backward
+        if merge_split_backward not in (True, False, "uniform"):
+            raise ValueError(f"`merge_split_backward` must be True, False or 'uniform', got {merge_split_backward!r}.")
+        self._merge_split_backward = merge_split_backward if merge_split_backward == "uniform" else bool(merge_split_backward)
         self._merge_tuning = MergeTuning()  # merges decided again on measured action times
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._shapes_vary = False  # see _lengths_vary
@@ -779,7 +782,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         the stage seconds in the pipeline group and install the plan again with merges decided on them
         (nothing moves: the placement is the same). Every rank of the pipeline runs the same steps and
         programs, so all reach the agreement at the same step."""
-        if not (self._merge_split_backward and program.splits_backward and program is self.program):
+        if not (self._merge_split_backward is True and program.splits_backward and program is self.program):
             return
         tuning = self._merge_tuning
         tuning.record((self.schedule, tuple(self.boundaries), self.num_microbatches), records)
@@ -791,7 +794,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
     def merges_split_backward(self) -> bool:
         """Whether zero-bubble pairs run as one ``B`` where splitting them buys nothing
         (``merge_split_backward``): planners price a family's merged program then."""
-        return self._merge_split_backward
+        return bool(self._merge_split_backward)
 
     def propose(self, proposal: PlanProposal) -> None:
         """Propose changes to the next step's plan (from a callback's ``on_train_batch_start``).
