@@ -210,7 +210,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             (``schedules.backward_merging``): on CPU a split pair costs 14-24% more than one backward.
             Decided first on uniform costs, then once more on what the first steps measured (each stage's
             own forward and backward times, the split's measured cost: ``runtime/merge_tuning.py``), kept
-            where the simulator finds it shorter and holding no more memory. ``"uniform"``: the first
+            where the simulator finds it shorter and holding no more memory (not under a memory budget,
+            whose plans were made for the first decision). ``"uniform"``: the first
             decision only (the program does not depend on timings). Exact either way; False runs every
             split as the family writes it.
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
@@ -746,7 +747,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
         when given (:meth:`_measured_merge`)."""
         if self._merge_split_backward:  # validated; a family without I comes back as built
             program = merged_program(schedule, self.pipeline_parallel_size, num_microbatches, self._split_shares())
-            if measured is not None and self._split_shares() is None:  # a planner's measured shares come first
+            # a planner's measured shares come first; under a memory budget the planned program stays
+            if measured is not None and self._split_shares() is None and self.memory.budget is None:
                 program = self._measured_merge(schedule, num_microbatches, measured, program)
         else:
             program = validate(schedule.build(self.pipeline_parallel_size, num_microbatches))
