@@ -41,8 +41,8 @@ default 1f1b) N rounds, rotating the order every round, and prints each round's 
 and their medians, and the CPU time per step of every rank. A row may name its partition:
 ``zbv@auto`` runs ``partition="auto"`` (the partition whose simulated step is fastest for the
 longest batch, under the meta-device cost model), ``zbv@2-1-3-2`` blocks per stage; without ``@``
-the strategy's default ``"balanced"``; ``~uniform`` at the end keeps zero-bubble merges as decided
-before the first step (``merge_split_backward="uniform"``). ``--breakdown`` adds the
+the strategy's default ``"balanced"``; ``~measured`` at the end decides zero-bubble merges again on
+the first steps' measured times (``merge_split_backward="measured"``). ``--breakdown`` adds the
 ``PipelineMonitor`` to the lightning-pipe runs and prints where rank 0's step went (compute,
 receive waits, sends, the executor between actions, everything outside the program) and the compute
 of each kind of action on both ranks (``F``, ``B``; ``I`` and ``W`` for zero-bubble families: what the
@@ -403,15 +403,15 @@ def lightning_pipe_result(args: argparse.Namespace, callbacks: list = (), first:
 
 
 def strategy_options(row: str) -> dict:
-    """The strategy's arguments for a lightning-pipe row ``FAMILY[@PARTITION][~uniform]``: ``zbv``, ``zbv@auto``
+    """The strategy's arguments for a lightning-pipe row ``FAMILY[@PARTITION][~measured]``: ``zbv``, ``zbv@auto``
     (``partition="auto"``: the simulated-fastest partition for the longest batch, strategies/costs.py),
-    ``zbv@2-1-3-2`` (blocks per stage); without ``@``, the strategy's default ``"balanced"``. ``~uniform``:
-    ``merge_split_backward="uniform"`` (zero-bubble merges not decided again on measured times)."""
+    ``zbv@2-1-3-2`` (blocks per stage); without ``@``, the strategy's default ``"balanced"``. ``~measured``:
+    ``merge_split_backward="measured"`` (zero-bubble merges decided again on measured times)."""
     error = ValueError(
-        f"`{row}`: a row is FAMILY[@PARTITION][~uniform], PARTITION auto, balanced or blocks per stage (2-1-3-2)"
+        f"`{row}`: a row is FAMILY[@PARTITION][~measured], PARTITION auto, balanced or blocks per stage (2-1-3-2)"
     )
     head, _, merge = row.partition("~")
-    if merge not in ("", "uniform"):
+    if merge not in ("", "measured"):
         raise error
     schedule, _, partition = head.partition("@")
     options = {"schedule": schedule, **({"merge_split_backward": merge} if merge else {})}

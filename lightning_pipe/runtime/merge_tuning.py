@@ -4,8 +4,9 @@ A program is built before any step has run, so :func:`~lightning_pipe.schedules.
 its merges on uniform costs: every stage alike, ``I`` and ``W`` half a ``B`` each. Real stages differ (the
 first carries the embeddings, the last the head and the loss) and a split costs more than one ``B``; priced
 with what the steps measured, the simulator keeps a different set of pairs split (on the benchmark GPT,
-ZB-V at 2 ranks and 4 microbatches: 1.8% shorter with the partition ``"auto"`` picks,
-``benchmarks/README.md``). :class:`MergeTuning` times the actions of a few steps of one program, sums
+ZB-V at 2 ranks and 4 microbatches: 1.8% shorter with the partition ``"auto"`` picks; measured, no faster
+on that 2-core machine: ``docs/schedules.md``, so it is opt-in, ``merge_split_backward="measured"``).
+:class:`MergeTuning` times the actions of a few steps of one program, sums
 each stage's median over the pipeline group (every stage has one rank), and keeps the per-stage seconds
 that :func:`~lightning_pipe.schedules.measured_merge_costs` turns into costs for the merge decision.
 

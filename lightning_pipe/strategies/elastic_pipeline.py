@@ -208,11 +208,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             full backward where the program runs the ``W`` right after its ``I`` (any sends between them then
             leave after it) and the simulator finds that splitting it does not make the step shorter
             (``schedules.backward_merging``): on CPU a split pair costs 14-24% more than one backward.
-            Decided first on uniform costs, then once more on what the first steps measured (each stage's
-            own forward and backward times, the split's measured cost: ``runtime/merge_tuning.py``), kept
-            where the simulator finds it shorter and holding no more memory (not under a memory budget,
-            whose plans were made for the first decision). ``"uniform"``: the first
-            decision only (the program does not depend on timings). Exact either way; False runs every
+            Decided on uniform costs (every stage alike, the split at ideal halves). ``"measured"``:
+            decided once more on what the first steps measured (each stage's own forward and backward
+            times, the split's measured cost: ``runtime/merge_tuning.py``), kept where the simulator finds
+            it shorter and holding no more memory (not under a memory budget, whose plans were made for
+            the first decision); the program then depends on timings. Exact either way; False runs every
             split as the family writes it.
         save_distributed_checkpoint: True (default): a checkpoint is a directory in which every rank
             writes the state it owns through ``torch.distributed.checkpoint`` (as Lightning's
@@ -265,7 +265,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         allow_sample_mixing: bool = False,
         trim_padding: bool = True,
         group_by_length: bool = True,
-        merge_split_backward: bool | Literal["uniform"] = True,
+        merge_split_backward: bool | Literal["measured"] = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         packing: bool | Packer = False,
@@ -319,9 +319,9 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._allow_sample_mixing = allow_sample_mixing
         self._trim_padding = trim_padding and not elastic_depth
         self._group_by_length = group_by_length
-        if merge_split_backward not in (True, False, "uniform"):
-            raise ValueError(f"`merge_split_backward` must be True, False or 'uniform', got {merge_split_backward!r}.")
-        self._merge_split_backward = merge_split_backward if merge_split_backward == "uniform" else bool(merge_split_backward)
+        if merge_split_backward not in (True, False, "measured"):
+            raise ValueError(f"`merge_split_backward` must be True, False or 'measured', got {merge_split_backward!r}.")
+        self._merge_split_backward = merge_split_backward if merge_split_backward == "measured" else bool(merge_split_backward)
         self._merge_tuning = MergeTuning()  # merges decided again on measured action times
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._shapes_vary = False  # see _lengths_vary
@@ -784,7 +784,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         the stage seconds in the pipeline group and install the plan again with merges decided on them
         (nothing moves: the placement is the same). Every rank of the pipeline runs the same steps and
         programs, so all reach the agreement at the same step."""
-        if not (self._merge_split_backward is True and program.splits_backward and program is self.program):
+        if not (self._merge_split_backward == "measured" and program.splits_backward and program is self.program):
             return
         tuning = self._merge_tuning
         tuning.record((self.schedule, tuple(self.boundaries), self.num_microbatches), records)

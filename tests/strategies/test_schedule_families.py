@@ -156,14 +156,14 @@ def test_a_registered_instruction_runs_where_the_schedule_places_it(tmp_path):
         assert [json.loads(line) for line in lines] == [["MARK", rank, 1], ["MARK", rank, 3]] * STEPS
 
 
-@pytest.mark.parametrize("merge", [True, "uniform"])
+@pytest.mark.parametrize("merge", ["measured", True])
 def test_merges_decided_again_on_measured_times_keep_parity(tmp_path, monkeypatch, merge):
     """After a few timed steps the pipeline agrees on each stage's measured seconds (one all-reduce) and
     installs ZB-V again with its pairs merged as those costs say (runtime/merge_tuning.py). The agreed
     seconds are replaced here by a benchmark's (after the real all-reduce), under which the decision
     differs from the uniform one, so the steps after it run another program; parameters equal one
-    process's all the same. ``merge_split_backward="uniform"`` keeps the first decision: nothing is
-    timed or agreed."""
+    process's all the same. With ``merge_split_backward=True`` (the default) the uniform decision stays:
+    nothing is timed or agreed."""
     from lightning_pipe.runtime.merge_tuning import MergeTuning, StageSeconds
     from lightning_pipe.schedules import merged_program, resolve_schedule
 
@@ -197,7 +197,7 @@ def test_merges_decided_again_on_measured_times_keep_parity(tmp_path, monkeypatc
     pipelined = fit(make, batches, strategy, devices=2, steps=steps)
     reference = fit(make, reference_batches(batches, 1), steps=steps)
     assert_same_parameters(pipelined, reference, atol=1e-10)
-    if merge is True:  # on both ranks, once, a program other than the uniform decision
+    if merge == "measured":  # on both ranks, once, a program other than the uniform decision
         assert log.read_text().split() == ["1", "1"]
     else:
         assert not log.exists()
