@@ -94,11 +94,9 @@ class MergeTuning:
             table[1, stage, _KINDS.index(kind)] = 1.0
         if dist.is_available() and dist.is_initialized() and group is not None:
             all_reduce_tensor(table, "sum", "the all-reduce of the measured action times (merge tuning)", group)
-        columns = []
-        for index in range(len(_KINDS)):
-            columns.append(
-                {s: float(table[0, s, index]) for s in range(num_stages) if table[1, s, index] > 0}
-            )
+        columns = [
+            {s: float(table[0, s, k]) for s in range(num_stages) if table[1, s, k] > 0} for k in range(len(_KINDS))
+        ]
         self.seconds = StageSeconds(*columns)
         self._samples.clear()
         return self.seconds

@@ -11,10 +11,10 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Literal, Union
 
 import torch
@@ -69,6 +69,7 @@ from lightning_pipe.runtime.loss_weights import (
     raw_weight,
     upfront_weights,
 )
+from lightning_pipe.runtime.merge_tuning import MergeTuning
 from lightning_pipe.runtime.microbatch import (
     BatchDim,
     MicrobatchPlan,
@@ -93,7 +94,6 @@ from lightning_pipe.runtime.packing import (
 from lightning_pipe.runtime.padding_check import TrimVerdict, check_trimming
 from lightning_pipe.runtime.regroup import LayoutExecutor
 from lightning_pipe.runtime.sharded_checkpoint import create_checkpoint_group, is_sharded_checkpoint, remove_path
-from lightning_pipe.runtime.merge_tuning import MergeTuning
 from lightning_pipe.runtime.side_runs import quiet_forward
 from lightning_pipe.runtime.step_clock import StepClock
 from lightning_pipe.schedules import (
