@@ -42,8 +42,6 @@ class StageSeconds:
 
     def costs(self, program: Program) -> ActionCosts | None:
         """Costs for deciding ``program``'s merges (None when these seconds cannot price it)."""
-        if any(stage >= program.num_stages for stage in self.forward):
-            return None
         return measured_merge_costs(program, self.forward, self.backward, self.input_gradient, self.weight_gradient)
 
 
