@@ -6,11 +6,13 @@ A Lightning upgrade that renames one of these breaks this file and its test
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import io
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 import importlib
@@ -54,6 +56,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
     ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric"),
 )
 (
     _get_default_process_group_backend_for_device,
@@ -67,6 +70,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     _WorkerOutput,
     _SubprocessScriptLauncher,
     _AcceleratorConnector,
+    _ResultMetric,
 ) = (private_name(module, name) for module, name in PRIVATE_NAMES)
 
 
@@ -87,12 +91,52 @@ __all__ = [
     "_init_dist_connection",
     "fix_unbounded_epoch_description",
     "install_strategy_name_hint",
+    "logged_values_in_place",
     "optimizers_to_device",
     "peek_next_training_batch",
     "private_name",
     "set_skip_backward",
     "sync_ddp",
 ]
+
+
+@contextlib.contextmanager
+def logged_values_in_place() -> Iterator[None]:
+    """While active, ``self.log`` does not re-move a logged value's accumulator that is already on the value's device.
+
+    Lightning's ``_ResultCollection.log`` calls ``_ResultMetric.to(value.device)`` on every call, which
+    rebuilds the accumulator's whole ``__dict__`` with ``apply_to_collection`` (about half a
+    millisecond of CPU a call) even when every tensor in it is already there, and then holds the same
+    tensors. The strategy replays each step's ``self.log`` calls on every rank (at the end of the
+    first rank's step, on the critical path), so the no-op is skipped: where every tensor of the
+    accumulator (and of its dicts and lists: torchmetrics' defaults) is on that device, ``to`` returns
+    the accumulator as it is; anything else (a torchmetrics ``Metric`` logged as the value, another
+    device, deeper nesting) takes Lightning's own ``to``.
+    """
+    original = _ResultMetric.to
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.device) and _all_on(self.__dict__, args[0]):
+            return self
+        return original(self, *args, **kwargs)
+
+    _ResultMetric.to = to
+    try:
+        yield
+    finally:
+        _ResultMetric.to = original
+
+
+def _all_on(state: dict, device: torch.device) -> bool:
+    for value in state.values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                if item.device != device:
+                    return False
+            elif isinstance(item, (torch.nn.Module, dict, list, tuple)):  # a Metric, or nesting `to` would walk
+                return False
+    return True
 
 
 def install_strategy_name_hint(name: str) -> None:

@@ -1358,10 +1358,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
 
     def _replay_logs(self, logs: list) -> None:
         """The step's reduced ``self.log`` calls, made on this rank's module (every rank logs alike)."""
-        for call in logs:
-            value = self.metric_states.resolve(call.value, self.root_device)
-            value = value.to(self.root_device) if isinstance(value, Tensor) else value
-            self.lightning_module.log(call.name, value, **call.kwargs)
+        with compat.logged_values_in_place():
+            for call in logs:
+                value = self.metric_states.resolve(call.value, self.root_device)
+                value = value.to(self.root_device) if isinstance(value, Tensor) else value
+                self.lightning_module.log(call.name, value, **call.kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:

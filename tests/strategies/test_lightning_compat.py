@@ -134,3 +134,33 @@ def test_sync_ddp_reduces_over_a_group(tmp_path):
         assert compat.sync_ddp(value.clone(), group=None, reduce_op="sum").item() == 3.0
     finally:
         dist.destroy_process_group()
+
+
+def _log_sequence(in_place: bool) -> dict:
+    """Log a mean and a sum over steps of a fresh result collection, the way the strategy replays logs."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    results = _ResultCollection(training=True)
+    values = [torch.tensor(v) for v in (1.5, -0.25, 4.0, 2.0)]
+    for i, value in enumerate(values):
+        context = compat.logged_values_in_place() if in_place else torch.no_grad()
+        with context:
+            results.log("training_step", "loss", value, on_step=True, on_epoch=True, batch_size=i + 1)
+            results.log("training_step", "tokens", value * 3, reduce_fx="sum", on_epoch=True, batch_size=2)
+    return {name: metric.compute() for name, metric in results.items()}
+
+
+def test_logged_values_in_place_keeps_lightnings_results_and_skips_the_no_op_move():
+    assert _log_sequence(in_place=True) == _log_sequence(in_place=False)
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    results = _ResultCollection(training=True)
+    results.log("training_step", "loss", torch.tensor(1.0), batch_size=1)
+    metric = results["training_step.loss"]
+    defaults = metric._defaults
+    with compat.logged_values_in_place():
+        assert metric.to(torch.device("cpu")) is metric and metric._defaults is defaults  # Lightning's walk skipped
+        metric.__dict__["extra"] = {"nested": [torch.zeros(1)]}  # deeper than the check looks: Lightning's own `to`
+        metric.to(torch.device("cpu"))
+        assert metric._defaults is not defaults  # apply_to_collection rebuilt the dict
+    assert compat._ResultMetric.to.__qualname__ == "_ResultMetric.to"  # put back
