@@ -19,12 +19,17 @@ Each row splits a microbatch's forward at the first block's start and the last b
 A 1F1B step of ``bench_throughput.py`` runs 4 microbatches through the last stage on the critical
 path, so 4 x (``before`` + ``after`` differences) is what the step pays there.
 
+It also times one replayed ``self.log`` call (the strategy replays the step's logs on every rank),
+as Lightning does it and with its no-op move skipped (``strategies/_lightning_compat.logged_values_in_place``).
+
 Run: ``python benchmarks/bench_stage_overhead.py`` (about 30 seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import platform
 import statistics
 import sys
@@ -42,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from examples.gpt.model import GPT, Block  # noqa: E402
 from lightning_pipe.model import StageRunner, StageSpan, find_blocks  # noqa: E402
 from lightning_pipe.model.loss_counting import LossCounter  # noqa: E402
+from lightning_pipe.strategies._lightning_compat import logged_values_in_place  # noqa: E402
 
 STAMPS: dict[str, float] = {}
 _block_forward = Block.forward
@@ -58,6 +64,22 @@ def _split(start: float, end: float) -> tuple[float, float, float]:
     return STAMPS["first"] - start, STAMPS["last"] - STAMPS["first"], end - STAMPS["last"]
 
 
+def _log_call_microseconds(rounds: int) -> dict[bool, float]:
+    """Median microseconds of one ``self.log`` into Lightning's result collection, as the strategy replays
+    it each step on every rank, with and without skipping the no-op move, alternated."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    results, value = _ResultCollection(training=True), torch.tensor(1.5)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(rounds):
+        for in_place in (round_ % 2 == 0, round_ % 2 == 1):
+            start = time.perf_counter()
+            with logged_values_in_place() if in_place else contextlib.nullcontext():
+                results.log("training_step", "train_loss", value, on_step=True, batch_size=4)
+            times[in_place].append(time.perf_counter() - start)
+    return {key: statistics.median(values[10:]) * 1e6 for key, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=300)
@@ -66,17 +88,12 @@ def main() -> None:
     torch.manual_seed(0)
     Block.forward = _stamped_forward  # before the runner wraps the blocks: both paths pay the stamps
     plain = GPT(vocab_size=256, n_layer=8, n_head=4, n_embd=128)
-    staged = GPT(vocab_size=256, n_layer=8, n_head=4, n_embd=128)
-    staged.load_state_dict(plain.state_dict())
-    staged.log = lambda *a, **k: None  # Lightning's log outside a trainer; the runner records the call
+    staged, last = copy.deepcopy(plain), copy.deepcopy(plain)
     batch = torch.randint(0, 256, (4, 129))
     x, y = batch[:, :-1], batch[:, 1:]
     hidden = torch.randn(4, 128, 128)
 
     first_runner = StageRunner(staged, find_blocks(staged), device=torch.device("cpu"))
-    last = GPT(vocab_size=256, n_layer=8, n_head=4, n_embd=128)
-    last.load_state_dict(plain.state_dict())
-    last.log = lambda *a, **k: None
     last_runner = StageRunner(last, find_blocks(last), device=torch.device("cpu"))
     for module in (last.wte, last.wpe, *last.blocks[:4]):
         module.to("meta")
@@ -121,6 +138,7 @@ def main() -> None:
             rows[name]()
             times[name].append(_split(start, time.perf_counter()))
 
+    log_us = _log_call_microseconds(args.rounds)
     table = Table(title="One microbatch's forward on a stage, ms (median)")
     for column in ("stage, run by", "before the blocks", "blocks", "after the blocks", "total", "overhead"):
         table.add_column(column, justify="right" if column != "stage, run by" else "left")
@@ -134,6 +152,10 @@ def main() -> None:
         table.add_row(name, f"{before:.3f}", f"{blocks:.3f}", f"{after:.3f}", f"{before + blocks + after:.3f}",
                       "" if name.endswith("plain") else f"{overhead:+.3f}")
     Console().print(table)
+    print(
+        f"One replayed `self.log` call (Lightning's result collection, alternated): {log_us[False]:.0f} us as "
+        f"Lightning does it, {log_us[True]:.0f} us with the no-op move skipped (`logged_values_in_place`)."
+    )
     print(
         f"How: `python benchmarks/bench_stage_overhead.py --rounds {args.rounds}` on {platform.machine()}, torch "
         f"{torch.__version__}, 1 thread; overhead = (before + after) minus plain's, per microbatch."

@@ -747,8 +747,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         when given (:meth:`_measured_merge`)."""
         if self._merge_split_backward:  # validated; a family without I comes back as built
             program = merged_program(schedule, self.pipeline_parallel_size, num_microbatches, self._split_shares())
-            # a planner's measured shares come first; under a memory budget the planned program stays
-            if measured is not None and self._split_shares() is None and self.memory.budget is None:
+            if measured is not None and self._tunes_merges():
                 program = self._measured_merge(schedule, num_microbatches, measured, program)
         else:
             program = validate(schedule.build(self.pipeline_parallel_size, num_microbatches))
@@ -779,12 +778,17 @@ class ElasticPipelineStrategy(ParallelStrategy):
             return None
         return tuning.seconds
 
+    def _tunes_merges(self) -> bool:
+        """``merge_split_backward="measured"`` applies: not when a planner measured the split (its shares
+        come first), nor under a memory budget (the memory planners' program stays)."""
+        return self._merge_split_backward == "measured" and self._split_shares() is None and self.memory.budget is None
+
     def _tune_merges(self, program: Program, records: Sequence[Any]) -> None:
         """Time a training step of a program that splits its backward; once enough are timed, agree on
         the stage seconds in the pipeline group and install the plan again with merges decided on them
         (nothing moves: the placement is the same). Every rank of the pipeline runs the same steps and
         programs, so all reach the agreement at the same step."""
-        if not (self._merge_split_backward == "measured" and program.splits_backward and program is self.program):
+        if not (program.splits_backward and program is self.program and self._tunes_merges()):
             return
         tuning = self._merge_tuning
         tuning.record((self.schedule, tuple(self.boundaries), self.num_microbatches), records)
