@@ -20,6 +20,7 @@ __all__ = [
     "legacy_reduction",
     "private_name",
     "tensor_registries",
+    "torch_function_disabled",
     "tree_flatten",
     "tree_leaves",
     "tree_map",
@@ -110,6 +111,10 @@ def view_base(tensor: Tensor) -> Tensor | None:
     """The tensor ``tensor`` is a view of (None for a tensor that owns its storage)."""
     return tensor._base
 
+
+torch_function_disabled = private_name("torch._C", "DisableTorchFunction")
+"""Context manager: no torch-function handling inside (no mode, no subclass ``__torch_function__``);
+for the runner's own bookkeeping on tensors, at a fraction of :func:`function_modes_removed`'s cost."""
 
 _mode_stack = private_name("torch.overrides", "_get_current_function_mode_stack")
 _pop_mode = private_name("torch.overrides", "_pop_mode")

@@ -44,6 +44,11 @@ _ELEMENTWISE = {
     F.binary_cross_entropy_with_logits: "F.binary_cross_entropy_with_logits",
 }
 _SIGNATURES = {func: inspect.signature(func) for func in (*_INDEXED, *_ELEMENTWISE)}
+_NAMES = {  # functions whose every parameter may be passed by position or by name
+    func: list(signature.parameters)
+    for func, signature in _SIGNATURES.items()
+    if all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in signature.parameters.values())
+}
 _SCALE = {torch.Tensor.mul, torch.Tensor.multiply, torch.mul, torch.multiply}
 _DIVIDE = {torch.Tensor.div, torch.Tensor.divide, torch.Tensor.true_divide, torch.div, torch.divide, torch.true_divide}
 _SAME = {
@@ -148,8 +153,7 @@ class LossCounter(TorchFunctionMode):
     # --- internals -------------------------------------------------------------------------------
 
     def _record_call(self, func, args: tuple, kwargs: dict, out: Any) -> None:
-        bound = _SIGNATURES[func].bind(*args, **kwargs)
-        arguments = bound.arguments
+        arguments = _arguments(func, args, kwargs)
         reduction = arguments.get("reduction", "mean")
         if arguments.get("size_average") is not None or arguments.get("reduce") is not None:
             reduction = legacy_reduction(arguments.get("size_average"), arguments.get("reduce"))
@@ -187,6 +191,16 @@ class LossCounter(TorchFunctionMode):
                 self._keep(out, Traced(source.call, source.kind, _times(source.factor, _reciprocal(other))))
         elif func is torch.Tensor.neg:
             self._keep(out, Traced(source.call, source.kind, _times(source.factor, -1.0)))
+
+
+def _arguments(func, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments a loss function was called with, by name (those given; defaults left out), as
+    ``inspect.Signature.bind`` gives them, which costs more than the loss call itself (the function
+    has run already, so the call was valid)."""
+    names = _NAMES.get(func)
+    if names is not None and len(args) <= len(names) and all(name in names[len(args):] for name in kwargs):
+        return {**dict(zip(names, args)), **kwargs}
+    return _SIGNATURES[func].bind(*args, **kwargs).arguments
 
 
 def _indexed_count(arguments: dict, func) -> Tensor:

@@ -35,6 +35,7 @@ from lightning_pipe.model._torch_compat import (
     PYTREE_NODES,
     function_modes_removed,
     meta_autocast_disabled,
+    torch_function_disabled,
     tree_flatten,
     tree_leaves,
     tree_map,
@@ -244,6 +245,7 @@ class StageRunner:
         self.probes = 0  # meta-device runs of blocks so far (the cost shape rules save)
         self._active: _ActiveRun | None = None
         self._parameter_names: dict[int, str] | None = None  # id(parameter) -> name, for sources
+        self._real_parameters: list[nn.Parameter] | None = None
         self._originals = []
         for index, block in enumerate(stack.blocks):
             original = block.forward
@@ -283,8 +285,17 @@ class StageRunner:
         )
 
     def parameters_changed(self) -> None:
-        """Call after parameter objects were replaced (sharding, migration): names in messages stay right."""
+        """Call after parameter objects were replaced or moved (sharding, migration): names in messages
+        and :meth:`real_parameters` stay right."""
         self._parameter_names = None
+        self._real_parameters = None
+
+    def real_parameters(self) -> list[nn.Parameter]:
+        """The module's parameters this rank holds (not on the meta device), in module order; kept
+        until :meth:`parameters_changed` (walking the module tree costs 0.1-0.3 ms, at every step's start)."""
+        if self._real_parameters is None:
+            self._real_parameters = [p for p in self.root.parameters() if not p.is_meta]
+        return list(self._real_parameters)
 
     # --- blocks ------------------------------------------------------------------------------
 
@@ -299,8 +310,13 @@ class StageRunner:
             )
         run.last_block = index
         if index < span.first_block:
-            with _suspended():
-                described, spec = self._output_spec(index, args, kwargs)
+            with torch_function_disabled():  # shapes read and placeholders made by the runner, not the step
+                memo = self._shape_memo.get((index, _signature((args, kwargs))))
+            if memo is None:
+                with _suspended():  # a probe: modes of the model (attention) stay
+                    memo = self._output_spec(index, args, kwargs)
+            described, spec = memo
+            with torch_function_disabled():
                 if index == span.first_block - 1:
                     meta_output = tree_unflatten([_meta_leaf(item) for item in described], spec)
                 else:  # straight from the shapes: no meta tensors on the way

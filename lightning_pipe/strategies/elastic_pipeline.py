@@ -1196,7 +1196,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
             weights = upfront_weights(self.loss_weights, microbatches, plan.sizes)
             if self.loss_weights == "auto" and not self.memory.optimizer_offload:
                 # counted targets are known only after each forward: normalise the gradient after the step
-                deferred = DeferredNormalization([p for p in self.lightning_module.parameters() if not p.is_meta])
+                deferred = DeferredNormalization(self.runner.real_parameters())
                 deferred.begin()
                 sizes = plan.sizes
                 work = StepWork(

@@ -61,3 +61,43 @@ def test_cached_placeholders_match_meta_runs_skip_them_and_share_their_zeros():
     longer = torch.randint(0, 50, (3, 9))  # another length: its own entries, its own shapes
     _, other = _run(weight, longer, cache)
     assert other[0].shape == (3, 9, 8) and other[1].shape == (3, 8, 8)
+
+
+def test_placeholder_zeros_are_fresh_tensors_of_one_view_and_tags_stay_apart():
+    """Each placeholder is its own tensor object (its own tag), a view of the cache's zeros without a
+    base to tag; a larger shape replaces the buffer and the views of the smaller one."""
+    cache = PlaceholderCache()
+    mode = PlaceholderMode(torch.device("cpu"), {}, cache=cache)
+    spec = torch.empty(2, 3, device="meta")
+    first = mode.placeholder(spec, frozenset({("block", 0)}))
+    second = mode.placeholder(spec, frozenset({("block", 1)}))
+    assert first is not second and first._base is None and second._base is None
+    assert first.data_ptr() == second.data_ptr() and first.shape == second.shape == (2, 3)
+    assert mode.sources_of(first) == frozenset({("block", 0)}) and mode.sources_of(second) == frozenset({("block", 1)})
+    larger = mode.placeholder(torch.empty(5, 4, device="meta"), frozenset({("block", 2)}))
+    again = mode.placeholder(spec, frozenset({("block", 3)}))
+    assert again.data_ptr() == larger.data_ptr() != first.data_ptr()  # one buffer: the larger one
+    assert all(torch.count_nonzero(t) == 0 for t in (first, second, larger, again))
+
+
+def test_tensor_leaves_reads_plain_arguments_as_pytree_does():
+    from lightning_pipe.model._torch_compat import tree_leaves
+    from lightning_pipe.model.placeholders import _tensor_leaves
+
+    a, b, c = torch.ones(1), nn.Parameter(torch.ones(2)), torch.ones(3)
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.ones(4).as_subclass(Sub)
+    calls = [
+        ((a, 2, None, torch.float64), {}),
+        ((a, (slice(None), slice(0, -1))), {}),
+        (([a, b], 0), {"out": c}),
+        ((a, {"x": b}), {}),  # a dict: pytree's way
+        ((sub, a), {"weight": b}),  # a tensor subclass: pytree's way
+        (((a, [b, (c,)]),), {"bias": None}),
+    ]
+    for args, kwargs in calls:
+        expected = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        assert [id(t) for t in _tensor_leaves(args, kwargs)] == [id(t) for t in expected]

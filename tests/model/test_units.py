@@ -107,3 +107,19 @@ def test_observers_see_the_steps_operations_outside_the_stage_blocks_only():
     assert seen.count("cross_entropy") == 1 and "embedding" in seen  # the step's own calls, before and after
     assert "scaled_dot_product_attention" not in seen and "gelu" not in seen  # inside the stage's blocks: none
     assert len(seen) < 40
+
+
+def test_real_parameters_are_kept_until_the_parameters_change():
+    model = TinyGPT(layers=4)
+    stack = find_blocks(model)
+    runner = StageRunner(model, stack)
+    everything = runner.real_parameters()
+    assert [id(p) for p in everything] == [id(p) for p in model.parameters()]
+    everything.clear()  # a copy: the runner's own list stays
+    layout = analyze_units(model, stack)
+    shard_module(model, layout, owned_units((0, 2, 4), (1,)), torch.device("cpu"))
+    assert len(runner.real_parameters()) == len(list(model.parameters()))  # not told yet: the list it had
+    runner.parameters_changed()
+    held = runner.real_parameters()
+    assert held and [id(p) for p in held] == [id(p) for p in model.parameters() if not p.is_meta]
+    assert len(held) < len(list(model.parameters()))

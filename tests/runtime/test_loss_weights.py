@@ -150,3 +150,21 @@ def test_deferred_normalization_scales_dense_and_sparse_gradients_alike():
     assert embedding.weight.grad.is_sparse
     for p, want in zip(params, expected):
         assert torch.equal(p.grad.to_dense(), want)
+
+
+def test_loss_arguments_are_read_as_signature_bind_reads_them():
+    import inspect
+
+    from lightning_pipe.model.loss_counting import _arguments
+
+    logits, labels = _logits_and_labels(3)
+    weight = torch.ones(4, dtype=torch.float64)
+    calls = [
+        (F.cross_entropy, (logits, labels), {}),
+        (F.cross_entropy, (logits, labels, weight), {"ignore_index": 1, "reduction": "sum"}),
+        (F.cross_entropy, (), {"input": logits, "target": labels, "label_smoothing": 0.1}),
+        (F.nll_loss, (logits, labels, None, None, -100, None, "mean"), {}),
+        (F.mse_loss, (logits,), {"target": logits.detach()}),
+    ]
+    for func, args, kwargs in calls:
+        assert _arguments(func, args, kwargs) == dict(inspect.signature(func).bind(*args, **kwargs).arguments)
