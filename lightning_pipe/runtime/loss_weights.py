@@ -193,12 +193,20 @@ class DeferredNormalization:
     Gradients already held (earlier batches of an accumulation window) are put aside before the
     step and added back after: ``grad = earlier + this_step / normalizer``.
 
+    ``expected``: the normalizer the step's losses were already divided by (the previous step's: with
+    fixed shapes the counted targets do not change), so that what remains is ``expected / normalizer``,
+    and nothing when the guess was right. A multiplication of every gradient (about 0.6 ms on the
+    benchmark GPT's CPU ranks, at the very end of the step) is saved; the gradient differs from
+    dividing once at the end by rounding only.
+
     Args:
         parameters: the rank's real parameters.
+        expected: what the losses of the step were divided by already (1.0: nothing).
     """
 
-    def __init__(self, parameters: Sequence[Tensor]) -> None:
+    def __init__(self, parameters: Sequence[Tensor], expected: float = 1.0) -> None:
         self.parameters = list(parameters)
+        self.expected = expected
         self.earlier: list[Tensor | None] = []
 
     def begin(self) -> None:
@@ -209,16 +217,16 @@ class DeferredNormalization:
             p.grad = None
 
     def end(self, normalizer: float) -> None:
-        """``grad = earlier + grad / normalizer`` for every parameter."""
+        """``grad = earlier + grad * expected / normalizer`` for every parameter."""
         # no counted target in the whole batch: one device's gradient is zero (torch's NLL backward)
-        scale = 1.0 / normalizer if normalizer else 0.0
+        scale = self.expected / normalizer if normalizer else 0.0
         with torch.no_grad():
             grads = [p.grad for p in self.parameters if p.grad is not None]
             dense = [g for g in grads if g.layout == torch.strided]
-            if dense:  # one call, not one per parameter: the same products, without 2 us of Python each
+            if dense and scale != 1.0:  # one call, not one per parameter: the same products, without 2 us of Python each
                 foreach_mul_(dense, scale)
             for grad in grads:
-                if grad.layout != torch.strided:  # sparse embedding gradients: foreach takes dense tensors only
+                if grad.layout != torch.strided and scale != 1.0:  # sparse gradients: foreach takes dense ones only
                     grad.mul_(scale)
             for p, earlier in zip(self.parameters, self.earlier, strict=True):
                 if p.grad is None:

@@ -325,6 +325,7 @@ class ElasticPipelineStrategy(ParallelStrategy):
         self._merge_tuning = MergeTuning()  # merges decided again on measured action times
         self.trim_verdicts: dict[tuple, TrimVerdict] = {}  # per batch layout: is cutting padding exact?
         self._shapes_vary = False  # see _lengths_vary
+        self._expected_normalizer = 1.0  # see DeferredNormalization: the last step's counted targets
         self._last_shapes: list[list[tuple[int, ...]]] | None = None
         self._warned_sample_mixing = False
         # latest: (batch, its contents, (count, sizes, chunks), split); the batch is kept so that its contents' ids stay its own
@@ -1196,11 +1197,11 @@ class ElasticPipelineStrategy(ParallelStrategy):
             weights = upfront_weights(self.loss_weights, microbatches, plan.sizes)
             if self.loss_weights == "auto" and not self.memory.optimizer_offload:
                 # counted targets are known only after each forward: normalise the gradient after the step
-                deferred = DeferredNormalization(self.runner.real_parameters())
+                deferred = DeferredNormalization(self.runner.real_parameters(), expected=self._expected_normalizer)
                 deferred.begin()
                 sizes = plan.sizes
                 work = StepWork(
-                    step_name, steps, [scale / accumulate] * len(steps), block_wrapper=block_wrapper,
+                    step_name, steps, [scale / accumulate / deferred.expected] * len(steps), block_wrapper=block_wrapper,
                     count_losses=True, loss_weight=lambda mb, record: raw_weight(record, sizes[mb]),
                 )
             else:
@@ -1351,6 +1352,8 @@ class ElasticPipelineStrategy(ParallelStrategy):
             raise error
         if deferred is not None:
             deferred.end(normalizer)
+            # the next step's losses are divided by this one's counted targets already (every rank got them)
+            self._expected_normalizer = normalizer if normalizer > 0 else 1.0
         if self.global_rank != last_rank and metric_updates:
             self.metric_states.apply(metric_updates, self.root_device)
         if not early.sent:

@@ -168,3 +168,31 @@ def test_loss_arguments_are_read_as_signature_bind_reads_them():
     ]
     for func, args, kwargs in calls:
         assert _arguments(func, args, kwargs) == dict(inspect.signature(func).bind(*args, **kwargs).arguments)
+
+
+def test_deferred_normalization_divides_by_what_the_losses_were_not_divided_by_already():
+    """Losses divided by ``expected`` upfront: what remains is expected / normalizer, and nothing when
+    the guess was right (the gradient is left as the backward made it)."""
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    p.grad = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    deferred = DeferredNormalization([p], expected=8.0)
+    deferred.begin()
+    this_step = torch.tensor([0.5, 0.25], dtype=torch.float64)  # sum of the losses' gradients / 8
+    p.grad = this_step.clone()
+    deferred.end(8.0)
+    assert torch.equal(p.grad, torch.tensor([1.5, 1.25], dtype=torch.float64))
+
+    p.grad = None
+    deferred = DeferredNormalization([p], expected=8.0)
+    deferred.begin()
+    p.grad = this_step.clone()
+    before = p.grad
+    deferred.end(8.0)
+    assert p.grad is before and torch.equal(p.grad, this_step)  # no earlier gradient, no multiplication
+
+    p.grad = None
+    deferred = DeferredNormalization([p], expected=8.0)
+    deferred.begin()
+    p.grad = this_step.clone()
+    deferred.end(4.0)  # the guess was wrong: twice as much remains
+    assert torch.equal(p.grad, this_step * 2)
