@@ -162,7 +162,7 @@ class LossCounter(TorchFunctionMode):
                 count = _indexed_count(arguments, func)
             else:
                 count = torch.tensor(float(torch.broadcast_shapes(args[0].shape, args[1].shape).numel()))
-        call = LossCall(_INDEXED.get(func) or _ELEMENTWISE[func], reduction, count.detach())
+        call = LossCall(_INDEXED.get(func) or _ELEMENTWISE[func], reduction, count)  # made under no_grad
         self.calls.append(call)
         if isinstance(out, Tensor) and reduction in (MEAN, SUM):
             self._keep(out, Traced(len(self.calls) - 1, reduction))
@@ -213,8 +213,8 @@ def _indexed_count(arguments: dict, func) -> Tensor:
     counted = target != ignore_index
     weight = arguments.get("weight")
     if weight is None:
-        return counted.sum().to(torch.float64)
-    return weight[target[counted]].sum().to(torch.float64)
+        return counted.sum(dtype=torch.float64)
+    return weight[target[counted]].sum(dtype=torch.float64)
 
 
 def _is_scalar(value: Any) -> bool:
