@@ -219,6 +219,9 @@ def test_function_modes_removed_takes_only_the_chosen_modes_off_the_stack():
         assert (outer.calls, inner.calls) == (0, 2)
         torch.ones(2) + 1
     assert (outer.calls, inner.calls) == (2, 4)  # back on the stack, in order
+    with outer, model_compat.torch_function_disabled():
+        torch.ones(2) + 1
+    assert outer.calls == 2  # no mode sees what runs inside
 
 
 def test_tensor_version_counts_in_place_changes():
