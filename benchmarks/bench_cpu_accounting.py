@@ -58,8 +58,9 @@ class Accounting:
         self.nested = 0.0  # CPU of blocks and receives inside the current stage forward
         self.marks: dict[str, float] = {}  # the last stage's run: its first block's start, last block's end
 
-    def timed(self, row: str, function, nested: bool = False):
-        """``function`` with its thread CPU added to ``row``; ``nested``: also counted in the enclosing stage forward's."""
+    def timed(self, row: str, function, nested: bool = False, mark: str | None = None):
+        """``function`` with its thread CPU added to ``row``; ``nested``: also counted in the enclosing stage
+        forward's; ``mark``: also kept as the current stage forward's ``marks[mark]``."""
 
         def wrapper(*args, **kwargs):
             start = time.thread_time()
@@ -70,6 +71,8 @@ class Accounting:
                 self.cpu[(row, self.region)] += spent
                 if nested:
                     self.nested += spent
+                if mark is not None:
+                    self.marks[mark] = spent
 
         return wrapper
 
@@ -121,16 +124,9 @@ def install(accounting: Accounting) -> None:
     torch_stage._PipelineStageBase.forward_one_chunk = accounting.stage_forward(
         torch_stage._PipelineStageBase.forward_one_chunk
     )
-    inject = accounting.timed("receive in stage run", stage_runner.StageRunner._inject, nested=True)
-
-    def timed_inject(self, *args, **kwargs):
-        start = time.thread_time()
-        try:
-            return inject(self, *args, **kwargs)
-        finally:
-            accounting.marks["receive"] = time.thread_time() - start
-
-    stage_runner.StageRunner._inject = timed_inject
+    stage_runner.StageRunner._inject = accounting.timed(
+        "receive in stage run", stage_runner.StageRunner._inject, nested=True, mark="receive"
+    )
 
     def last_stage_phases(start: float, end: float, args: tuple) -> None:
         span = args[3]  # (runner, step_name, step_args, span)
