@@ -390,35 +390,9 @@ def _result_device(kwargs: dict, real: list[Tensor]) -> torch.device:
     return device if _is_real_device(device) else real[0].device
 
 
-_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size, slice, type(Ellipsis)})
-
-
 def _tensor_leaves(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors among a call's arguments.
-
-    Most operations take plain tensors and numbers; those are read off in one loop (this runs for
-    every operation of a later stage's code), anything else (lists of tensors, nested containers,
-    tensor subclasses) goes through pytree.
-    """
-    tensors: list[Tensor] = []
-    if _plain_tensors(args, tensors) and _plain_tensors(kwargs.values(), tensors):
-        return tensors
+    """The tensors among a call's arguments."""
     return [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
-
-
-def _plain_tensors(values: Any, tensors: list[Tensor]) -> bool:
-    """Append the tensors among ``values`` (tensors, numbers, and exact tuples and lists of them);
-    False at anything else."""
-    for value in values:
-        kind = type(value)
-        if kind is Tensor or kind is nn.Parameter:
-            tensors.append(value)
-        elif kind is tuple or kind is list:
-            if not _plain_tensors(value, tensors):
-                return False
-        elif kind not in _SCALARS:
-            return False
-    return True
 
 
 def _name(func: Any) -> str:

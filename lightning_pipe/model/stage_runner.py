@@ -311,10 +311,11 @@ class StageRunner:
         run.last_block = index
         if index < span.first_block:
             with torch_function_disabled():  # shapes read and placeholders made by the runner, not the step
-                memo = self._shape_memo.get((index, _signature((args, kwargs))))
+                key = (index, _signature((args, kwargs)))
+                memo = self._shape_memo.get(key)
             if memo is None:
                 with _suspended():  # a probe: modes of the model (attention) stay
-                    memo = self._output_spec(index, args, kwargs)
+                    memo = self._new_output_spec(key, args, kwargs)
             described, spec = memo
             with torch_function_disabled():
                 if index == span.first_block - 1:
@@ -353,12 +354,12 @@ class StageRunner:
                 "outputs cannot reach a later stage: return it from the block instead."
             )
 
-    def _output_spec(self, index: int, args: tuple, kwargs: dict) -> BlockOutput:
-        """The leaves (a :class:`TensorSpec` per tensor) and tree spec of block ``index``'s output for these
-        arguments: remembered, predicted by the shape rules, or probed on the meta device."""
-        key = (index, _signature((args, kwargs)))
-        memo = self._shape_memo.get(key)
-        if memo is None and self.predict_shapes:
+    def _new_output_spec(self, key: tuple, args: tuple, kwargs: dict) -> BlockOutput:
+        """The leaves (a :class:`TensorSpec` per tensor) and tree spec of block ``key[0]``'s output for
+        arguments not in the shape memo (``key``: the block and the arguments' signature): predicted by
+        the shape rules, or probed on the meta device, and remembered."""
+        index, memo = key[0], None
+        if self.predict_shapes:
             memo = self.shape_rules.predict(index, (args, kwargs))
         if memo is None:
             self.probes += 1

@@ -79,25 +79,3 @@ def test_placeholder_zeros_are_fresh_tensors_of_one_view_and_tags_stay_apart():
     assert again.data_ptr() == larger.data_ptr() != first.data_ptr()  # one buffer: the larger one
     assert all(torch.count_nonzero(t) == 0 for t in (first, second, larger, again))
 
-
-def test_tensor_leaves_reads_plain_arguments_as_pytree_does():
-    from lightning_pipe.model._torch_compat import tree_leaves
-    from lightning_pipe.model.placeholders import _tensor_leaves
-
-    a, b, c = torch.ones(1), nn.Parameter(torch.ones(2)), torch.ones(3)
-
-    class Sub(torch.Tensor):
-        pass
-
-    sub = torch.ones(4).as_subclass(Sub)
-    calls = [
-        ((a, 2, None, torch.float64), {}),
-        ((a, (slice(None), slice(0, -1))), {}),
-        (([a, b], 0), {"out": c}),
-        ((a, {"x": b}), {}),  # a dict: pytree's way
-        ((sub, a), {"weight": b}),  # a tensor subclass: pytree's way
-        (((a, [b, (c,)]),), {"bias": None}),
-    ]
-    for args, kwargs in calls:
-        expected = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-        assert [id(t) for t in _tensor_leaves(args, kwargs)] == [id(t) for t in expected]
