@@ -11,7 +11,8 @@ Where shapes are known earlier, the receive is *posted* earlier (on gloo, which 
 tag; gloo moves a message only once its receive is posted, so a late post puts the whole transfer on
 the critical path): a stage's gradients right after it sent the activations they belong to, and,
 when the step's microbatches share their shapes (``StepWork.same_shapes``), the next microbatch's
-activations as soon as this one's arrived.
+activations as soon as this one's arrived, and each stage's first activations at the step's start in
+the shapes of the last step (:meth:`PipelineExecutor._post_first_receives`).
 
 Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes the input gradients
 (and the norms' and biases' on its way) and records the gradients at the nodes where each matrix
@@ -180,6 +181,10 @@ class PipelineExecutor:
         self._waited = 0.0
         self._arrival: float | None = None
         self._side_tasks = SideTaskPlacer()
+        # the activation shapes each stage received in the last step, and the program and stage starts
+        # they belong to (:meth:`_post_first_receives`)
+        self._received_shapes: dict[int, list[tuple[torch.Size, torch.dtype]]] = {}
+        self._received_for: tuple[Program, tuple] | None = None
 
     def run(self, program: Program, spans: dict[int, StageSpan], work: StepWork) -> StepOutcome:
         """Run this rank's actions of ``program`` for ``work``; ``spans`` maps its stages to blocks."""
@@ -191,7 +196,9 @@ class PipelineExecutor:
         self._local_gradients: dict[tuple[int, int], list[Tensor]] = {}
         self._prefetched: dict[tuple[int, int], PendingReceive] = {}
         self._prefetched_activations: dict[tuple[int, int], PendingReceive] = {}
-        self._next_forward = self._next_forwards(program) if self._prefetch_activations(work) else {}
+        prefetch = self._prefetch_activations(work)
+        self._next_forward = self._next_forwards(program) if prefetch else {}
+        self._post_first_receives(program, spans, prefetch)
         outcome = StepOutcome()
         self.runner.predict_shapes = work.describe_shapes
         me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
@@ -224,6 +231,9 @@ class PipelineExecutor:
                 task_s = _timed(task, outcome)
             if ready is not None:
                 self._side_tasks.observe(program, ready, [r.wait for r in outcome.records], ran_before, task_s)
+        except BaseException:
+            self._received_for = None  # a failed step's receives may be left posted: post nothing early next time
+            raise
         finally:
             self.runner.predict_shapes = False
             self._slots = {}
@@ -326,6 +336,42 @@ class PipelineExecutor:
             last[stage] = action.microbatch
         return following
 
+    def _post_first_receives(self, program: Program, spans: dict[int, StageSpan], prefetch: bool) -> None:
+        """Post, at the step's start, the receive of each stage's first activations from another rank,
+        in the shapes that stage received in the last step.
+
+        Within a step a stage's next activations are received early once its first arrived; the first
+        had its receive posted only when its forward asked for it, after the sender had sent: gloo
+        then moves the payload only once the sender's transfer thread gets a core again, measured at
+        1-7 ms on the 2-core CPU run of ZB-V (rank 0's last stage waiting for the first forward of
+        the stage before it, sent several milliseconds earlier). When the step's shapes are those of
+        the last step (``same_shapes``: microbatches alike and unchanged since the last step, no header)
+        and the program and this rank's stage starts are the same objects and blocks, the stage's
+        input is the same block's output for inputs of the same shapes, so the last step's shapes are
+        this step's; a stage whose shapes would still differ is refused by :meth:`_receive`.
+        """
+        key = (program, tuple(sorted((stage, span.first_block) for stage, span in spans.items())))
+        remembered, self._received_shapes = self._received_shapes, {}
+        same = self._received_for is not None and self._received_for[0] is program and self._received_for[1] == key[1]
+        self._received_for = key
+        if not (prefetch and same):
+            return
+        me = self.pipeline_ranks[self.pipeline_rank]
+        for stage, mb in self._first_forwards(program).items():
+            shapes = remembered.get(stage)
+            if shapes is not None and self._peer(stage - 1, mb) != me:
+                self._prefetched_activations[(stage, mb)] = self.p2p.post_receive(
+                    shapes, self._peer(stage - 1, mb), ACTIVATION, stage - 1, mb, self.device
+                )
+
+    def _first_forwards(self, program: Program) -> dict[int, int]:
+        """``stage -> the microbatch of its first forward`` on this rank, for stages after the first."""
+        first: dict[int, int] = {}
+        for action in program.actions[self.pipeline_rank]:
+            if action.type is ActionType.FORWARD and action.stage > 0:
+                first.setdefault(action.stage, action.microbatch)
+        return first
+
     def _receive(self, stage: int, mb: int, metas: list[Tensor]) -> list[Tensor]:
         local = self._local_activations.pop((stage, mb), None)
         if local is None:
@@ -347,6 +393,7 @@ class PipelineExecutor:
                 )
             self._waited += time.perf_counter() - started
             self._arrival = self.p2p.last_arrival
+            self._received_shapes[stage] = [(t.shape, t.dtype) for t in local]
             following = self._next_forward.get((stage, mb))
             me = self.pipeline_ranks[self.pipeline_rank]
             if following is not None and self._peer(stage - 1, following) != me:

@@ -86,7 +86,7 @@ class _RecordingExecutor(PipelineExecutor):
 
 def _worker(
     rank: int, world: int, init_file: str, out_dir: str, schedule: str, lengths: list[int] = LENGTHS,
-    model_name: str = "tinygpt", autocast: bool = False,
+    model_name: str = "tinygpt", autocast: bool = False, steps: int = 1,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -106,11 +106,15 @@ def _worker(
         executor.backwards = []
         same = len(set(lengths)) == 1
         work = StepWork("training_step", [(mb, 0) for mb in _microbatches(lengths)], [1.0] * len(lengths), same_shapes=same)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as bf16-mixed's train_step_context
-            outcome = executor.run(program, spans, work)
+        early = []  # receives posted early, per step
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as bf16-mixed's train_step_context
+                outcome = executor.run(program, spans, work)
+            early.append(p2p.early - sum(early))
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         torch.save(
-            {"grads": grads, "losses": outcome.losses, "early": p2p.early, "backwards": executor.backwards,
+            {"grads": grads, "losses": outcome.losses, "early": early[0], "early_per_step": early,
+             "backwards": executor.backwards,
              "actions": [(a.type.value, a.stage, a.microbatch) for a in program.actions[rank]]},
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
@@ -159,6 +163,33 @@ def test_variable_length_microbatches_match_single_process(tmp_path, lengths):
     _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], expected)
     assert sorted(parts[1]["losses"]) == list(range(len(lengths)))
     torch.testing.assert_close(torch.stack([parts[1]["losses"][i] for i in range(4)]), losses)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_step_like_the_last_posts_its_first_activation_receives_at_its_start(tmp_path, schedule):
+    """A second step of the same program and shapes posts, at its start, the receive of each stage's first
+    activations from another rank (in the first step only the later microbatches' are posted early): every
+    activation and gradient crossing ranks is then received early, and two steps' gradients are twice one's."""
+    lengths = [7] * 4
+    mp.start_processes(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule, lengths, "tinygpt", False, 2), nprocs=2,
+        join=True, start_method=START_METHOD,
+    )
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    program = resolve_schedule(schedule).build(2, 4)
+    for rank, part in enumerate(parts):
+        crossing = 0  # forwards and backwards whose input another rank sends
+        for action in program.actions[rank]:
+            if action.type.value == "F" and action.stage > 0:
+                crossing += program.rank_of(action.stage - 1) != rank
+            elif action.type.value in ("B", "I") and action.stage < program.num_stages - 1:
+                crossing += program.rank_of(action.stage + 1) != rank
+        first, second = part["early_per_step"]
+        firsts = len({a.stage for a in program.actions[rank] if a.type.value == "F" and a.stage > 0
+                      and program.rank_of(a.stage - 1) != rank})
+        assert second == crossing and first == crossing - firsts, (rank, first, second, crossing)
+    expected, _ = _reference(lengths)
+    _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], {n: 2 * g for n, g in expected.items()})
 
 
 def test_a_program_with_merged_pairs_runs_each_b_whole_and_each_i_split(tmp_path):
