@@ -535,7 +535,7 @@ def launch(config: str, args: argparse.Namespace, out: str) -> tuple[list[RankRe
     command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out]
     command += forwarded_flags(args)
     if config == "interleaved":
-        command += ["--pairs", str(args.pairs), "--schedules", *args.schedules]
+        command += ["--pairs", str(args.pairs), "--schedules", *args.schedules, "--interleave"]
     env = dict(os.environ, OMP_NUM_THREADS="1" if config != "single-2t" else "2")
     env["PYTHONWARNINGS"] = "ignore"
     completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
@@ -675,8 +675,10 @@ def main() -> None:
 
 
 def round_orders(args: argparse.Namespace) -> list[list[str | None]]:
-    """The rows of each ``--pairs`` round (None: torch's Schedule1F1B), the order rotated every round."""
-    entries = [None, *args.schedules]
+    """The rows of each ``--pairs`` round (None: torch's Schedule1F1B), the order rotated every round.
+    With ``--interleave`` torch runs beside every row instead of as one, so only the families rotate
+    (rotating a None that is then skipped ran the first family first in two rounds of three)."""
+    entries = list(args.schedules) if args.interleave else [None, *args.schedules]
     return [entries[r % len(entries) :] + entries[: r % len(entries)] for r in range(args.pairs)]
 
 
