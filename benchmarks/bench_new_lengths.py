@@ -14,7 +14,10 @@ number of positions:
                 before shape rules: a meta-device probe of every earlier block per new length).
 
 The rows alternate, order flipping every pair, ``--pairs`` times; the table gives the median step
-time of each row and the median over pairs of each row's time relative to ``fixed``.
+time of each row and the median over pairs of each row's time relative to ``fixed``, and the same for
+the CPU seconds of a step (both ranks' processes): rows run one after the other carry the shared
+machine's drift in wall time (rounds of one row apart by 10-40% under other tenants' load), far less
+in CPU time.
 
     python benchmarks/bench_new_lengths.py --pairs 5
 """
@@ -68,23 +71,28 @@ def run_worker(args: argparse.Namespace) -> None:
     batches = make_batches(args, varying=args.worker != "fixed")
 
     def save(trainer, seconds: list[float]) -> None:
-        Path(args.out, f"{args.worker}-rank{trainer.global_rank}.json").write_text(json.dumps(seconds))
+        measured = {"seconds": seconds, "cpu_seconds": timer.cpu_seconds}
+        Path(args.out, f"{args.worker}-rank{trainer.global_rank}.json").write_text(json.dumps(measured))
+
+    timer = StepTimer(args.warmup, save)
 
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=args.warmup + args.steps, limit_val_batches=0, num_sanity_val_steps=0,
         strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=args.microbatches),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[StepTimer(args.warmup, save)], use_distributed_sampler=False,
+        callbacks=[timer], use_distributed_sampler=False,
     )
     torch.manual_seed(args.seed)
     trainer.fit(DecoderLM(args.layers, args.width, args.heads), torch.utils.data.DataLoader(batches, batch_size=None))
 
 
-def launch(config: str, args: argparse.Namespace, out: str) -> float:
-    """Median step seconds of ``config`` (slowest rank per step), run in fresh processes."""
+def launch(config: str, args: argparse.Namespace, out: str) -> tuple[float, float]:
+    """Median step seconds of ``config`` (slowest rank per step) and median CPU seconds per step (both
+    ranks' processes together), run in fresh processes."""
     ranks = run_ranks(__file__, config, out, args, (
         "steps", "warmup", "batch", "microbatches", "length", "spread", "layers", "width", "heads", "seed"))
-    return statistics.median(max(pair) for pair in zip(*ranks))
+    wall = statistics.median(max(pair) for pair in zip(*(r["seconds"] for r in ranks)))
+    return wall, statistics.median(sum(pair) for pair in zip(*(r["cpu_seconds"] for r in ranks)))
 
 
 def main() -> None:
@@ -111,18 +119,25 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    cpu: dict[str, list[float]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory() as out:
         for pair in range(args.pairs):
             for config in CONFIGS if pair % 2 == 0 else CONFIGS[::-1]:
-                times[config].append(launch(config, args, out))
-                print(f"pair {pair}: {config:13s} {times[config][-1] * 1e3:8.1f} ms/step", flush=True)
+                wall, cpu_seconds = launch(config, args, out)
+                times[config].append(wall)
+                cpu[config].append(cpu_seconds)
+                print(f"pair {pair}: {config:13s} {wall * 1e3:8.1f} ms/step, CPU {cpu_seconds * 1e3:8.1f} ms/step", flush=True)
     table = Table(title="What a new length per microbatch costs (lightning-pipe, pp=2, 1F1B)")
-    for column in ("rows", "median ms/step", "vs fixed (median over pairs)", "per pair"):
+    for column in (
+        "rows", "median ms/step", "vs fixed (median over pairs)", "per pair", "CPU ms/step (2 ranks)", "CPU vs fixed",
+    ):
         table.add_column(column, justify="left" if column == "rows" else "right")
     for config in CONFIGS:
         ratios = [t / f for t, f in zip(times[config], times["fixed"])]
+        cpu_ratios = [c / f for c, f in zip(cpu[config], cpu["fixed"])]
         table.add_row(config, f"{statistics.median(times[config]) * 1e3:.1f}", f"{statistics.median(ratios):.3f}",
-                      " ".join(f"{r:.3f}" for r in ratios))
+                      " ".join(f"{r:.3f}" for r in ratios), f"{statistics.median(cpu[config]) * 1e3:.1f}",
+                      f"{statistics.median(cpu_ratios):.3f}")
     Console(width=140).print(table)
     print(f"How: `python {' '.join(sys.argv)}` on {os.cpu_count()} CPU cores ({platform.machine()}), torch "
           f"{torch.__version__}, gloo, 2 processes x 1 thread; DecoderLM layers={args.layers} width={args.width}; "

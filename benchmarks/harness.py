@@ -18,20 +18,25 @@ import torch.distributed as dist
 
 class StepTimer(L.Callback):
     """Wall seconds of every training step after ``warmup``, each between barriers, so that a step
-    lasts as long as its slowest rank; ``on_end(trainer, seconds)`` receives them at the end."""
+    lasts as long as its slowest rank; ``on_end(trainer, seconds)`` receives them at the end. The
+    process CPU seconds of the same steps are kept in ``cpu_seconds``: on a shared machine they vary
+    far less with other tenants' load than wall time."""
 
     def __init__(self, warmup: int, on_end: Callable[[L.Trainer, list[float]], None]) -> None:
         self.warmup, self.on_end = warmup, on_end
-        self.start, self.seconds = 0.0, []
+        self.start = self.cpu_start = 0.0
+        self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         dist.barrier()
-        self.start = time.perf_counter()
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         dist.barrier()
         if batch_idx >= self.warmup:
             self.seconds.append(time.perf_counter() - self.start)
+            self.cpu_seconds.append(time.process_time() - self.cpu_start)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.on_end(trainer, self.seconds)

@@ -12,7 +12,10 @@ tag; gloo moves a message only once its receive is posted, so a late post puts t
 the critical path): a stage's gradients right after it sent the activations they belong to, and,
 when the step's microbatches share their shapes (``StepWork.same_shapes``), the next microbatch's
 activations as soon as this one's arrived, and each stage's first activations at the step's start in
-the shapes of the last step (:meth:`PipelineExecutor._post_first_receives`).
+the shapes of the last step (:meth:`PipelineExecutor._post_first_receives`). Where microbatches have
+their own lengths, an activation message is preceded by a header with its shapes, of one size
+whatever it describes: the headers' receives are posted at the same points, so a header lands when
+it is sent and only the tensors' receive waits for the consumer.
 
 Zero-bubble split backward (``runtime/split_backward.py``): ``I`` computes the input gradients
 (and the norms' and biases' on its way) and records the gradients at the nodes where each matrix
@@ -45,7 +48,7 @@ from lightning_pipe.model.stage_runner import BlockWrapper, LogCall, StageResult
 from lightning_pipe.model.units import is_float
 from lightning_pipe.runtime.failures import PeerFailure
 from lightning_pipe.runtime.instructions import run_instruction
-from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingReceive, PointToPoint
+from lightning_pipe.runtime.p2p import ACTIVATION, GRADIENT, PendingHeader, PendingReceive, PointToPoint
 from lightning_pipe.runtime.side_task import SideTaskPlacer, ready_index
 from lightning_pipe.runtime.split_backward import WeightPass, backward_input
 from lightning_pipe.schedules.action_rules import ACTION_RULES
@@ -196,8 +199,10 @@ class PipelineExecutor:
         self._local_gradients: dict[tuple[int, int], list[Tensor]] = {}
         self._prefetched: dict[tuple[int, int], PendingReceive] = {}
         self._prefetched_activations: dict[tuple[int, int], PendingReceive] = {}
+        self._prefetched_headers: dict[tuple[int, int], PendingHeader] = {}
         prefetch = self._prefetch_activations(work)
-        self._next_forward = self._next_forwards(program) if prefetch else {}
+        self._early_headers = work.describe_shapes and self.p2p.matches_by_tag
+        self._next_forward = self._next_forwards(program) if prefetch or self._early_headers else {}
         self._post_first_receives(program, spans, prefetch)
         outcome = StepOutcome()
         self.runner.predict_shapes = work.describe_shapes
@@ -241,6 +246,7 @@ class PipelineExecutor:
             self._local_gradients = {}
             self._prefetched = {}
             self._prefetched_activations = {}
+            self._prefetched_headers = {}
         return outcome
 
     # --- actions ---------------------------------------------------------------------------------
@@ -338,7 +344,8 @@ class PipelineExecutor:
 
     def _post_first_receives(self, program: Program, spans: dict[int, StageSpan], prefetch: bool) -> None:
         """Post, at the step's start, the receive of each stage's first activations from another rank,
-        in the shapes that stage received in the last step.
+        in the shapes that stage received in the last step; where lengths vary (``describe_shapes``),
+        the receive of the header that describes them (it has one size whatever it describes).
 
         Within a step a stage's next activations are received early once its first arrived; the first
         had its receive posted only when its forward asked for it, after the sender had sent: gloo
@@ -354,15 +361,19 @@ class PipelineExecutor:
         remembered, self._received_shapes = self._received_shapes, {}
         same = self._received_for is not None and self._received_for[0] is program and self._received_for[1] == key[1]
         self._received_for = key
-        if not (prefetch and same):
+        if not (same and (prefetch or self._early_headers)):
             return
         me = self.pipeline_ranks[self.pipeline_rank]
         for stage, mb in self._first_forwards(program).items():
-            shapes = remembered.get(stage)
-            if shapes is not None and self._peer(stage - 1, mb) != me:
+            shapes, peer = remembered.get(stage), self._peer(stage - 1, mb)
+            if not shapes or peer == me:  # nothing was received last time: no header is sent either
+                continue
+            if prefetch:
                 self._prefetched_activations[(stage, mb)] = self.p2p.post_receive(
-                    shapes, self._peer(stage - 1, mb), ACTIVATION, stage - 1, mb, self.device
+                    shapes, peer, ACTIVATION, stage - 1, mb, self.device
                 )
+            else:  # lengths vary: the header describing them, whatever they are
+                self._prefetched_headers[(stage, mb)] = self.p2p.post_header_receive(peer, stage - 1, mb, self.device)
 
     def _first_forwards(self, program: Program) -> dict[int, int]:
         """``stage -> the microbatch of its first forward`` on this rank, for stages after the first."""
@@ -389,14 +400,19 @@ class PipelineExecutor:
                 local = pending.wait()
             else:
                 local = self.p2p.receive(
-                    shapes, self._peer(stage - 1, mb), ACTIVATION, stage - 1, mb, self.device, describe=self._work.describe_shapes
+                    shapes, self._peer(stage - 1, mb), ACTIVATION, stage - 1, mb, self.device,
+                    describe=self._work.describe_shapes, header=self._prefetched_headers.pop((stage, mb), None),
                 )
             self._waited += time.perf_counter() - started
             self._arrival = self.p2p.last_arrival
             self._received_shapes[stage] = [(t.shape, t.dtype) for t in local]
             following = self._next_forward.get((stage, mb))
             me = self.pipeline_ranks[self.pipeline_rank]
-            if following is not None and self._peer(stage - 1, following) != me:
+            if following is not None and self._peer(stage - 1, following) != me and self._early_headers:
+                self._prefetched_headers[(stage, following)] = self.p2p.post_header_receive(
+                    self._peer(stage - 1, following), stage - 1, following, self.device
+                )
+            elif following is not None and self._peer(stage - 1, following) != me:
                 self._prefetched_activations[(stage, following)] = self.p2p.post_receive(
                     [(t.shape, t.dtype) for t in local], self._peer(stage - 1, following), ACTIVATION, stage - 1, following, self.device
                 )

@@ -127,22 +127,37 @@ class PointToPoint:
         microbatch: int,
         device: torch.device,
         describe: bool = False,
+        header: PendingHeader | None = None,
     ) -> list[Tensor]:
         """Receive tensors of the given shapes from global rank ``src``, blocking until they arrive.
 
         ``stage`` is the *sending* stage, as in :meth:`send`. With ``send_dtypes``, the dtypes of
-        activations are the sender's, whatever ``shapes`` says; with ``describe``, their shapes too.
+        activations are the sender's, whatever ``shapes`` says; with ``describe``, their shapes too
+        (``header``: that message's header, posted earlier by :meth:`post_header_receive`).
         Sets :attr:`last_arrival` to the ``time.perf_counter()`` at which the message completed if
         this call had to wait for it, else None (it was there already).
         """
         started = time.perf_counter()
         wire = torch.device("cpu") if self.host_staging else device
-        if (self.send_dtypes or describe) and kind == ACTIVATION and shapes:
-            header = torch.empty(_header_size(len(shapes), describe), dtype=torch.int64, device=wire)
+        if header is not None:
+            shapes = header.wait(shapes)
+        elif (self.send_dtypes or describe) and kind == ACTIVATION and shapes:
+            buffer = torch.empty(_header_size(len(shapes), describe), dtype=torch.int64, device=wire)
             peer = (src, HEADER, stage, microbatch)
-            self._wait(self._irecv(header, src, message_tag(HEADER, stage, microbatch, 0), peer), peer, receiving=True)
-            shapes = _read_header(header.tolist(), shapes, describe)
+            self._wait(self._irecv(buffer, src, message_tag(HEADER, stage, microbatch, 0), peer), peer, receiving=True)
+            shapes = _read_header(buffer.tolist(), shapes, describe, peer)
         return self.post_receive(shapes, src, kind, stage, microbatch, device).wait(started)
+
+    def post_header_receive(self, src: int, stage: int, microbatch: int, device: torch.device) -> PendingHeader:
+        """Post the receive of the header that describes an activation message (``describe=True`` on
+        the sender) and return at once: the header has one size whatever it describes, so its receive
+        can be posted before the receiver knows the tensors' number or shapes, and it lands when sent
+        instead of when asked for. Pass it to :meth:`receive` as ``header``. Only where
+        :attr:`matches_by_tag` holds."""
+        wire = torch.device("cpu") if self.host_staging else device
+        buffer = torch.empty(_header_size(0, True), dtype=torch.int64, device=wire)
+        peer = (src, HEADER, stage, microbatch)
+        return PendingHeader(self, buffer, self._irecv(buffer, src, message_tag(HEADER, stage, microbatch, 0), peer), peer)
 
     @property
     def matches_by_tag(self) -> bool:
@@ -212,17 +227,39 @@ class PendingReceive:
         return [buffer.to(self.device) for buffer in self.buffers] if self.p2p.host_staging else self.buffers
 
 
+@dataclass
+class PendingHeader:
+    """A describing header's receive posted by :meth:`PointToPoint.post_header_receive`."""
+
+    p2p: PointToPoint
+    buffer: Tensor
+    work: dist.Work
+    peer: tuple[int, int, int, int]
+
+    def wait(self, expected: list[tuple[torch.Size, torch.dtype]]) -> list[tuple[torch.Size, torch.dtype]]:
+        """Block until the header arrived; the shapes and dtypes it describes (``expected``: what the
+        receiver predicted, whose number of tensors the sender's must match)."""
+        self.p2p._wait(self.work, self.peer, receiving=True)
+        return _read_header(self.buffer.tolist(), expected, True, self.peer)
+
+
 # A receive whose message is already there returns within this (tens of microseconds). gloo's
 # `Work.is_completed()` cannot tell: it turns True only inside `wait()`.
 _ALREADY_THERE_S = 2e-4
 
 
+_NO_TENSOR = -1  # a describing header's entries after its last tensor
+
+
 def _header_size(leaves: int, describe: bool) -> int:
-    return leaves * (2 + _MAX_DIMS) if describe else leaves
+    """A dtype header holds one code per tensor; a describing header room for the most tensors a
+    boundary may carry, whatever it carries, so that its receive can be posted early."""
+    return _MAX_LEAVES * (2 + _MAX_DIMS) if describe else leaves
 
 
 def _header(tensors: list[Tensor], describe: bool) -> Tensor:
-    """Per tensor its dtype code, and with ``describe`` its rank and sizes (padded to a fixed size)."""
+    """Per tensor its dtype code, and with ``describe`` its rank and sizes (padded to a fixed size,
+    then entries of code ``_NO_TENSOR`` up to :func:`_header_size`)."""
     if not describe:
         return torch.tensor([_DTYPE_CODES[t.dtype] for t in tensors], dtype=torch.int64)
     values = []
@@ -231,17 +268,27 @@ def _header(tensors: list[Tensor], describe: bool) -> Tensor:
             raise ValueError(f"A tensor of {tensor.dim()} dimensions cannot cross a stage boundary (at most {_MAX_DIMS}).")
         sizes = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
         values += [_DTYPE_CODES[tensor.dtype], tensor.dim(), *sizes]
+    values += [_NO_TENSOR] * (_header_size(0, True) - len(values))
     return torch.tensor(values, dtype=torch.int64)
 
 
 def _read_header(
-    values: list[int], shapes: list[tuple[torch.Size, torch.dtype]], describe: bool
+    values: list[int], shapes: list[tuple[torch.Size, torch.dtype]], describe: bool, peer: tuple[int, int, int, int]
 ) -> list[tuple[torch.Size, torch.dtype]]:
     if not describe:
         return [(shape, _DTYPE_LIST[code]) for (shape, _), code in zip(shapes, values, strict=True)]
     width = 2 + _MAX_DIMS
     described = []
-    for leaf in range(len(shapes)):
+    for leaf in range(_MAX_LEAVES):
         code, ndim, *sizes = values[leaf * width : (leaf + 1) * width]
+        if code == _NO_TENSOR:
+            break
         described.append((torch.Size(sizes[:ndim]), _DTYPE_LIST[code]))
+    if len(described) != len(shapes):
+        rank, _, stage, microbatch = peer
+        raise RuntimeError(
+            f"Stage {stage} (rank {rank}) sent {len(described)} tensors for microbatch {microbatch}, but the next "
+            f"stage expects {len(shapes)} at its first block: the block before the boundary returned a different "
+            "structure on the two ranks."
+        )
     return described

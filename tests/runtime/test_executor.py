@@ -32,6 +32,7 @@ class _CountingPointToPoint(PointToPoint):
     """Counts receives posted before their consumer asked (:meth:`PointToPoint.post_receive` alone)."""
 
     early = 0
+    early_headers = 0
     asked = False
 
     def receive(self, *args, **kwargs):
@@ -44,6 +45,10 @@ class _CountingPointToPoint(PointToPoint):
     def post_receive(self, *args, **kwargs):
         self.early += not self.asked
         return super().post_receive(*args, **kwargs)
+
+    def post_header_receive(self, *args, **kwargs):
+        self.early_headers += 1
+        return super().post_header_receive(*args, **kwargs)
 
 
 def _model() -> TinyGPT:
@@ -86,7 +91,7 @@ class _RecordingExecutor(PipelineExecutor):
 
 def _worker(
     rank: int, world: int, init_file: str, out_dir: str, schedule: str, lengths: list[int] = LENGTHS,
-    model_name: str = "tinygpt", autocast: bool = False, steps: int = 1,
+    model_name: str = "tinygpt", autocast: bool = False, steps: int = 1, describe: bool = False,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -105,15 +110,20 @@ def _worker(
         executor = _RecordingExecutor(StageRunner(model, stack), p2p, list(range(world)), rank, torch.device("cpu"))
         executor.backwards = []
         same = len(set(lengths)) == 1
-        work = StepWork("training_step", [(mb, 0) for mb in _microbatches(lengths)], [1.0] * len(lengths), same_shapes=same)
-        early = []  # receives posted early, per step
+        work = StepWork(
+            "training_step", [(mb, 0) for mb in _microbatches(lengths)], [1.0] * len(lengths), same_shapes=same,
+            describe_shapes=describe,
+        )
+        early, early_headers = [], []  # receives and describing headers posted early, per step
         for _ in range(steps):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as bf16-mixed's train_step_context
                 outcome = executor.run(program, spans, work)
             early.append(p2p.early - sum(early))
+            early_headers.append(p2p.early_headers - sum(early_headers))
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         torch.save(
             {"grads": grads, "losses": outcome.losses, "early": early[0], "early_per_step": early,
+             "early_headers_per_step": early_headers,
              "backwards": executor.backwards,
              "actions": [(a.type.value, a.stage, a.microbatch) for a in program.actions[rank]]},
             os.path.join(out_dir, f"rank{rank}.pt"),
@@ -189,6 +199,21 @@ def test_a_step_like_the_last_posts_its_first_activation_receives_at_its_start(t
                       and program.rank_of(a.stage - 1) != rank})
         assert second == crossing and first == crossing - firsts, (rank, first, second, crossing)
     expected, _ = _reference(lengths)
+    _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], {n: 2 * g for n, g in expected.items()})
+
+
+def test_activations_described_by_headers_have_the_headers_received_early(tmp_path):
+    """Microbatches of their own lengths (activations preceded by a header of their shapes): the header of
+    every activation after a stage's first is posted when the one before arrived, and in a second step the
+    first's at the step's start; gradients of two steps are twice one step's."""
+    mp.start_processes(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path), "1f1b", LENGTHS, "tinygpt", False, 2, True),
+        nprocs=2, join=True, start_method=START_METHOD,
+    )
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert parts[0]["early_headers_per_step"] == [0, 0]  # the first stage receives no activations
+    assert parts[1]["early_headers_per_step"] == [3, 4]
+    expected, _ = _reference(LENGTHS)
     _assert_same_gradients(parts[0]["grads"] | parts[1]["grads"], {n: 2 * g for n, g in expected.items()})
 
 
