@@ -200,10 +200,10 @@ class PipelineExecutor:
         self._prefetched: dict[tuple[int, int], PendingReceive] = {}
         self._prefetched_activations: dict[tuple[int, int], PendingReceive] = {}
         self._prefetched_headers: dict[tuple[int, int], PendingHeader] = {}
-        prefetch = self._prefetch_activations(work)
+        self._early_activations = self._prefetch_activations(work)
         self._early_headers = work.describe_shapes and self.p2p.matches_by_tag
-        self._next_forward = self._next_forwards(program) if prefetch or self._early_headers else {}
-        self._post_first_receives(program, spans, prefetch)
+        self._next_forward = self._next_forwards(program) if self._early_activations or self._early_headers else {}
+        self._post_first_receives(program, spans)
         outcome = StepOutcome()
         self.runner.predict_shapes = work.describe_shapes
         me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
@@ -342,7 +342,7 @@ class PipelineExecutor:
             last[stage] = action.microbatch
         return following
 
-    def _post_first_receives(self, program: Program, spans: dict[int, StageSpan], prefetch: bool) -> None:
+    def _post_first_receives(self, program: Program, spans: dict[int, StageSpan]) -> None:
         """Post, at the step's start, the receive of each stage's first activations from another rank,
         in the shapes that stage received in the last step; where lengths vary (``describe_shapes``),
         the receive of the header that describes them (it has one size whatever it describes).
@@ -361,14 +361,14 @@ class PipelineExecutor:
         remembered, self._received_shapes = self._received_shapes, {}
         same = self._received_for is not None and self._received_for[0] is program and self._received_for[1] == key[1]
         self._received_for = key
-        if not (same and (prefetch or self._early_headers)):
+        if not (same and (self._early_activations or self._early_headers)):
             return
         me = self.pipeline_ranks[self.pipeline_rank]
         for stage, mb in self._first_forwards(program).items():
             shapes, peer = remembered.get(stage), self._peer(stage - 1, mb)
             if not shapes or peer == me:  # nothing was received last time: no header is sent either
                 continue
-            if prefetch:
+            if self._early_activations:
                 self._prefetched_activations[(stage, mb)] = self.p2p.post_receive(
                     shapes, peer, ACTIVATION, stage - 1, mb, self.device
                 )
@@ -412,7 +412,7 @@ class PipelineExecutor:
                 self._prefetched_headers[(stage, following)] = self.p2p.post_header_receive(
                     self._peer(stage - 1, following), stage - 1, following, self.device
                 )
-            elif following is not None and self._peer(stage - 1, following) != me:
+            elif following is not None and self._peer(stage - 1, following) != me and self._early_activations:
                 self._prefetched_activations[(stage, following)] = self.p2p.post_receive(
                     [(t.shape, t.dtype) for t in local], self._peer(stage - 1, following), ACTIVATION, stage - 1, following, self.device
                 )
