@@ -355,7 +355,9 @@ class PipelineExecutor:
         the last step (``same_shapes``: microbatches alike and unchanged since the last step, no header)
         and the program and this rank's stage starts are the same objects and blocks, the stage's
         input is the same block's output for inputs of the same shapes, so the last step's shapes are
-        this step's; a stage whose shapes would still differ is refused by :meth:`_receive`.
+        this step's; a stage whose shapes would still differ is refused by :meth:`_receive`. A header
+        is sent with every activation message that holds tensors, so its receive is posted wherever
+        the stage received tensors in the last step (within a step: where the message before held some).
         """
         key = (program, tuple(sorted((stage, span.first_block) for stage, span in spans.items())))
         remembered, self._received_shapes = self._received_shapes, {}
@@ -408,7 +410,7 @@ class PipelineExecutor:
             self._received_shapes[stage] = [(t.shape, t.dtype) for t in local]
             following = self._next_forward.get((stage, mb))
             me = self.pipeline_ranks[self.pipeline_rank]
-            if following is not None and self._peer(stage - 1, following) != me and self._early_headers:
+            if following is not None and self._peer(stage - 1, following) != me and self._early_headers and local:
                 self._prefetched_headers[(stage, following)] = self.p2p.post_header_receive(
                     self._peer(stage - 1, following), stage - 1, following, self.device
                 )
