@@ -202,8 +202,10 @@ class PipelineExecutor:
         self._prefetched_headers: dict[tuple[int, int], PendingHeader] = {}
         self._early_activations = self._prefetch_activations(work)
         self._early_headers = work.describe_shapes and self.p2p.matches_by_tag
-        self._next_forward = self._next_forwards(program) if self._early_activations or self._early_headers else {}
-        self._post_first_receives(program, spans)
+        first, self._next_forward = (
+            self._forward_order(program) if self._early_activations or self._early_headers else ({}, {})
+        )
+        self._post_first_receives(program, spans, first)
         outcome = StepOutcome()
         self.runner.predict_shapes = work.describe_shapes
         me = f"Rank {self.pipeline_ranks[self.pipeline_rank]} (pipeline rank {self.pipeline_rank})"
@@ -330,8 +332,10 @@ class PipelineExecutor:
         shapes this one's had, so their receive is posted as soon as this one's arrived."""
         return work.same_shapes and not work.describe_shapes and not self.p2p.send_dtypes and self.p2p.matches_by_tag
 
-    def _next_forwards(self, program: Program) -> dict[tuple[int, int], int]:
-        """``(stage, microbatch) -> the microbatch of the stage's next forward`` on this rank."""
+    def _forward_order(self, program: Program) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+        """For the stages after the first on this rank: ``stage -> the microbatch of its first forward``,
+        and ``(stage, microbatch) -> the microbatch of the stage's next forward``."""
+        first: dict[int, int] = {}
         following, last = {}, {}
         for action in program.actions[self.pipeline_rank]:
             stage = action.stage
@@ -339,10 +343,12 @@ class PipelineExecutor:
                 continue
             if stage in last:
                 following[(stage, last[stage])] = action.microbatch
+            else:
+                first[stage] = action.microbatch
             last[stage] = action.microbatch
-        return following
+        return first, following
 
-    def _post_first_receives(self, program: Program, spans: dict[int, StageSpan]) -> None:
+    def _post_first_receives(self, program: Program, spans: dict[int, StageSpan], first: dict[int, int]) -> None:
         """Post, at the step's start, the receive of each stage's first activations from another rank,
         in the shapes that stage received in the last step; where lengths vary (``describe_shapes``),
         the receive of the header that describes them (it has one size whatever it describes).
@@ -366,7 +372,7 @@ class PipelineExecutor:
         if not (same and (self._early_activations or self._early_headers)):
             return
         me = self.pipeline_ranks[self.pipeline_rank]
-        for stage, mb in self._first_forwards(program).items():
+        for stage, mb in first.items():
             shapes, peer = remembered.get(stage), self._peer(stage - 1, mb)
             if not shapes or peer == me:  # nothing was received last time: no header is sent either
                 continue
@@ -376,14 +382,6 @@ class PipelineExecutor:
                 )
             else:  # lengths vary: the header describing them, whatever they are
                 self._prefetched_headers[(stage, mb)] = self.p2p.post_header_receive(peer, stage - 1, mb, self.device)
-
-    def _first_forwards(self, program: Program) -> dict[int, int]:
-        """``stage -> the microbatch of its first forward`` on this rank, for stages after the first."""
-        first: dict[int, int] = {}
-        for action in program.actions[self.pipeline_rank]:
-            if action.type is ActionType.FORWARD and action.stage > 0:
-                first.setdefault(action.stage, action.microbatch)
-        return first
 
     def _receive(self, stage: int, mb: int, metas: list[Tensor]) -> list[Tensor]:
         local = self._local_activations.pop((stage, mb), None)
@@ -407,17 +405,18 @@ class PipelineExecutor:
                 )
             self._waited += time.perf_counter() - started
             self._arrival = self.p2p.last_arrival
-            self._received_shapes[stage] = [(t.shape, t.dtype) for t in local]
+            arrived = self._received_shapes[stage] = [(t.shape, t.dtype) for t in local]
             following = self._next_forward.get((stage, mb))
-            me = self.pipeline_ranks[self.pipeline_rank]
-            if following is not None and self._peer(stage - 1, following) != me and self._early_headers and local:
-                self._prefetched_headers[(stage, following)] = self.p2p.post_header_receive(
-                    self._peer(stage - 1, following), stage - 1, following, self.device
-                )
-            elif following is not None and self._peer(stage - 1, following) != me and self._early_activations:
-                self._prefetched_activations[(stage, following)] = self.p2p.post_receive(
-                    [(t.shape, t.dtype) for t in local], self._peer(stage - 1, following), ACTIVATION, stage - 1, following, self.device
-                )
+            peer = None if following is None else self._peer(stage - 1, following)
+            if peer is not None and peer != self.pipeline_ranks[self.pipeline_rank]:
+                if self._early_headers and local:  # a header follows every message that holds tensors
+                    self._prefetched_headers[(stage, following)] = self.p2p.post_header_receive(
+                        peer, stage - 1, following, self.device
+                    )
+                elif self._early_activations:
+                    self._prefetched_activations[(stage, following)] = self.p2p.post_receive(
+                        arrived, peer, ACTIVATION, stage - 1, following, self.device
+                    )
         received = []
         for meta, tensor in zip(metas, local, strict=True):
             if tensor.shape != meta.shape and self._work.describe_shapes:

@@ -221,13 +221,14 @@ class DeferredNormalization:
         # no counted target in the whole batch: one device's gradient is zero (torch's NLL backward)
         scale = self.expected / normalizer if normalizer else 0.0
         with torch.no_grad():
-            grads = [p.grad for p in self.parameters if p.grad is not None]
-            dense = [g for g in grads if g.layout == torch.strided]
-            if dense and scale != 1.0:  # one call, not one per parameter: the same products, without 2 us of Python each
-                foreach_mul_(dense, scale)
-            for grad in grads:
-                if grad.layout != torch.strided and scale != 1.0:  # sparse gradients: foreach takes dense ones only
-                    grad.mul_(scale)
+            if scale != 1.0:
+                grads = [p.grad for p in self.parameters if p.grad is not None]
+                dense = [g for g in grads if g.layout == torch.strided]
+                if dense:  # one call, not one per parameter: the same products, without 2 us of Python each
+                    foreach_mul_(dense, scale)
+                for grad in grads:
+                    if grad.layout != torch.strided:  # sparse gradients: foreach takes dense ones only
+                        grad.mul_(scale)
             for p, earlier in zip(self.parameters, self.earlier, strict=True):
                 if p.grad is None:
                     p.grad = earlier
