@@ -38,46 +38,115 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-from benchmarks.bench_varlen import DecoderLM, pad  # noqa: E402
+from benchmarks.bench_varlen import DecoderLM, pad, token_loss  # noqa: E402
 from benchmarks.harness import StepTimer, run_ranks  # noqa: E402
 
 CONFIGS = ("fixed", "new-lengths", "probe-always")
 
 
+def fresh_offsets(steps: int, microbatches: int, spread: int, seed: int) -> list[list[int]]:
+    """Per step, one length offset per microbatch: pairs ``+a, -a`` (so a step computes as many
+    positions as a fixed one), every ``a`` in ``1..spread`` used once in the run, so no microbatch
+    length repeats and nothing keyed on a length can be reused."""
+    if microbatches % 2:
+        raise SystemExit("--microbatches must be even: offsets come in pairs +a, -a that keep a step's positions.")
+    needed = steps * microbatches // 2
+    if needed > spread:
+        raise SystemExit(f"{steps} varying steps need {needed} distinct offsets; raise --spread to {needed} "
+                         "or run fewer steps.")
+    generator = torch.Generator().manual_seed(seed)
+    pool = (torch.randperm(spread, generator=generator) + 1).tolist()
+    per_step = []
+    for step in range(steps):
+        values = pool[step * microbatches // 2:(step + 1) * microbatches // 2]
+        offsets = [sign * value for value in values for sign in (1, -1)]
+        per_step.append([offsets[i] for i in torch.randperm(microbatches, generator=generator).tolist()])
+    return per_step
+
+
+def batch_of(args: argparse.Namespace, offsets: list[int], generator: torch.Generator) -> dict:
+    """A right-padded batch whose microbatch ``i`` holds sequences of ``--length + offsets[i]`` real tokens."""
+    per_mb = args.batch // args.microbatches
+    real = [args.length + offsets[i // per_mb] for i in range(args.batch)]
+    return pad(real, max(real), generator)
+
+
 def make_batches(args: argparse.Namespace, varying: bool) -> list[dict]:
     generator = torch.Generator().manual_seed(args.seed)
+    steps = args.warmup + args.steps
+    offsets = fresh_offsets(steps, args.microbatches, args.spread, args.seed) if varying else [
+        [0] * args.microbatches] * steps
+    return [batch_of(args, step_offsets, generator) for step_offsets in offsets]
+
+
+def interleaved_plan(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """``(trio, role)`` of every step of the interleaved fit: trios of a step at new lengths (``new``),
+    then two steps at the same shapes (``again``: the step after a change, and ``steady``: a step like
+    the one before, as at a fixed length). Trios below 0 are warm-up, not counted."""
+    return [(trio, role) for trio in range(-2, args.trios) for role in ("new", "again", "steady")]
+
+
+def run_torch_reference(args: argparse.Namespace) -> None:
+    """The interleaved fit's steps in one process of plain torch (no pipeline, no Lightning): each
+    microbatch cut to its own length, forward and backward one after the other, AdamW. What a new
+    shape costs torch's own kernels and allocator, which no framework on top can save."""
+    import time
+
+    torch.set_num_threads(1)
+    plan = interleaved_plan(args)
+    offsets = fresh_offsets(sum(role == "new" for _, role in plan), args.microbatches, args.spread, args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    model = DecoderLM(args.layers, args.width, args.heads)
+    optimizer = model.configure_optimizers()
     per_mb = args.batch // args.microbatches
-    batches = []
-    for step in range(args.warmup + args.steps):
-        offsets = [0] * args.microbatches
-        if varying:  # distinct offsets summing to zero, new every step
-            base = [(step * 7 + 3 * i) % (2 * args.spread + 1) - args.spread for i in range(args.microbatches)]
-            mean = sum(base) / len(base)
-            offsets = [round(b - mean) for b in base]
-            offsets[-1] -= sum(offsets)
-        real = [args.length + offsets[i // per_mb] for i in range(args.batch)]
-        batches.append(pad(real, max(real), generator))
-    return batches
+    seconds, cpu_seconds = [], []
+    for index in range(len(plan)):
+        batch = batch_of(args, offsets[index // 3], generator)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for first in range(0, args.batch, per_mb):
+            rows = slice(first, first + per_mb)
+            length = int(batch["attention_mask"][rows].sum(1).max())
+            microbatch = {key: value[rows, :length] for key, value in batch.items()}
+            logits = model(microbatch["input_ids"], microbatch["attention_mask"])
+            (token_loss(logits, microbatch["labels"]) / args.microbatches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
+    measured = {"seconds": seconds, "cpu_seconds": cpu_seconds}
+    Path(args.out, f"{args.worker}-rank0.json").write_text(json.dumps(measured))
 
 
 def run_worker(args: argparse.Namespace) -> None:
     from lightning_pipe import ElasticPipelineStrategy
 
-    if args.worker == "probe-always":
+    if args.worker == "torch-reference":
+        run_torch_reference(args)
+        return
+
+    if args.worker == "probe-always" or args.shape_rules == "off":
         from lightning_pipe.model.shape_rules import ShapeRules
 
         ShapeRules.predict = lambda self, block, arguments: None  # the behaviour before shape rules
     torch.set_num_threads(1)
-    batches = make_batches(args, varying=args.worker != "fixed")
+    if args.worker == "interleaved":
+        plan = interleaved_plan(args)
+        offsets = fresh_offsets(sum(role == "new" for _, role in plan), args.microbatches, args.spread, args.seed)
+        generator = torch.Generator().manual_seed(args.seed)
+        batches = [batch_of(args, offsets[index // 3], generator) for index in range(len(plan))]
+        warmup = 0
+    else:
+        batches, warmup = make_batches(args, varying=args.worker != "fixed"), args.warmup
 
     def save(trainer, seconds: list[float]) -> None:
         measured = {"seconds": seconds, "cpu_seconds": timer.cpu_seconds}
         Path(args.out, f"{args.worker}-rank{trainer.global_rank}.json").write_text(json.dumps(measured))
 
-    timer = StepTimer(args.warmup, save)
+    timer = StepTimer(warmup, save)
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=args.warmup + args.steps, limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu", devices=2, max_steps=len(batches), limit_val_batches=0, num_sanity_val_steps=0,
         strategy=ElasticPipelineStrategy(pipeline_parallel_size=2, num_microbatches=args.microbatches),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[timer], use_distributed_sampler=False,
@@ -89,10 +158,17 @@ def run_worker(args: argparse.Namespace) -> None:
 def launch(config: str, args: argparse.Namespace, out: str) -> tuple[float, float]:
     """Median step seconds of ``config`` (slowest rank per step) and median CPU seconds per step (both
     ranks' processes together), run in fresh processes."""
-    ranks = run_ranks(__file__, config, out, args, (
-        "steps", "warmup", "batch", "microbatches", "length", "spread", "layers", "width", "heads", "seed"))
-    wall = statistics.median(max(pair) for pair in zip(*(r["seconds"] for r in ranks)))
-    return wall, statistics.median(sum(pair) for pair in zip(*(r["cpu_seconds"] for r in ranks)))
+    wall, cpu = per_step(config, args, out)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def per_step(config: str, args: argparse.Namespace, out: str, ranks: int = 2) -> tuple[list[float], list[float]]:
+    """Every timed step's seconds (its slowest rank) and CPU seconds (all ranks' processes together)
+    of ``config``, run in fresh processes."""
+    results = run_ranks(__file__, config, out, args, ranks=ranks, names=(
+        "steps", "warmup", "batch", "microbatches", "length", "spread", "layers", "width", "heads", "seed", "trios", "shape_rules"))
+    wall = [max(pair) for pair in zip(*(r["seconds"] for r in results))]
+    return wall, [sum(pair) for pair in zip(*(r["cpu_seconds"] for r in results))]
 
 
 def main() -> None:
@@ -103,12 +179,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--length", type=int, default=96, help="mean real length of a sequence")
-    parser.add_argument("--spread", type=int, default=24, help="largest offset of a microbatch's length")
+    parser.add_argument("--spread", type=int, default=48,
+                        help="largest offset of a microbatch's length (offsets 1..spread are each used once)")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--interleave", action="store_true",
+                        help="one fit, one pair of processes: each step at new lengths beside a step at the same shapes")
+    parser.add_argument("--trios", type=int, default=22,
+                        help="with --interleave: counted trios (new lengths, same shapes again, same shapes steady)")
+    parser.add_argument("--shape-rules", choices=("on", "off"), default="on",
+                        help="with --interleave, off: probe every new length as before shape rules (what the "
+                             "benchmark sees when a new length does cost something)")
+    parser.add_argument("--worker", choices=(*CONFIGS, "interleaved", "torch-reference"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -118,6 +202,9 @@ def main() -> None:
     from rich.table import Table
 
     load_before = os.getloadavg()[0]
+    if args.interleave:
+        interleaved(args, load_before)
+        return
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
     cpu: dict[str, list[float]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory() as out:
@@ -144,6 +231,44 @@ def main() -> None:
           f"{args.batch} sequences of {args.length}+-{args.spread} tokens, {args.microbatches} microbatches, "
           f"{args.steps} timed steps after {args.warmup}; 1-minute load before: {load_before:.2f}.")
 
+
+def interleaved(args: argparse.Namespace, load_before: float) -> None:
+    """Steps at new lengths beside steps of the same shapes, in one fit; paired medians. The same steps
+    in plain torch (one process) beside it: what a new shape costs torch's kernels themselves."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="What a new length per microbatch costs: steps at new lengths beside steps of the same "
+                        "shapes, in one run")
+    for column in ("run", "step", "median ms", "median CPU ms", "vs steady (paired median)", "CPU vs steady",
+                   "pairs above 1"):
+        table.add_column(column, justify="left" if column in ("run", "step") else "right")
+    with tempfile.TemporaryDirectory() as out:
+        for config, words, ranks in (("interleaved", "lightning-pipe, pp=2, 1F1B", 2),
+                                     ("torch-reference", "plain torch, 1 process", 1)):
+            wall, cpu = per_step(config, args, out, ranks)
+            by_trio: dict[int, dict[str, tuple[float, float]]] = {}
+            for (trio, role), seconds, cpu_seconds in zip(interleaved_plan(args), wall, cpu):
+                if trio >= 0:
+                    by_trio.setdefault(trio, {})[role] = (seconds, cpu_seconds)
+            trios = list(by_trio.values())
+            for role, step in (("new", "new lengths"), ("again", "same shapes, just after"),
+                               ("steady", "same shapes again")):
+                ratios = [trio[role][0] / trio["steady"][0] for trio in trios]
+                cpu_ratios = [trio[role][1] / trio["steady"][1] for trio in trios]
+                table.add_row(words if role == "new" else "", step,
+                              f"{statistics.median(trio[role][0] for trio in trios) * 1e3:.1f}",
+                              f"{statistics.median(trio[role][1] for trio in trios) * 1e3:.1f}",
+                              f"{statistics.median(ratios):.3f}", f"{statistics.median(cpu_ratios):.3f}",
+                              "" if role == "steady" else f"{sum(r > 1 for r in ratios)}/{len(ratios)}")
+    Console(width=150).print(table)
+    print(f"How: `python {' '.join(sys.argv)}` on {os.cpu_count()} CPU cores ({platform.machine()}), torch "
+          f"{torch.__version__}, gloo, 1 thread per process (CPU: all processes); DecoderLM layers={args.layers} "
+          f"width={args.width}; {args.batch} sequences in {args.microbatches} microbatches; every trio: one step whose "
+          f"microbatches have {args.length}+-a real tokens with every a in 1..{args.spread} used once in the run "
+          f"(lengths never seen before), then two steps of the same shapes; shape rules {args.shape_rules}; "
+          f"{args.trios} trios after 2 warm-up trios; the pipeline first, then plain torch; 1-minute load before: "
+          f"{load_before:.2f}.")
 
 if __name__ == "__main__":
     main()
