@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -255,6 +256,8 @@ class PlaceholderMode(TorchFunctionMode):
             )(*args[1:], **kwargs)
             meta = torch.empty(args[0].shape, dtype=moved.dtype, device="meta")
             return self.placeholder(meta, sources, moved.device)
+        if func is F.embedding and real and (spec := _embedding_spec(args, kwargs)) is not None:
+            return self.placeholder(spec, sources, _result_device(kwargs, real))
         memo = self.cache.shapes if self.cache is not None else None
         key = _memo_key(func, args, kwargs) if real and memo is not None and not _is_inplace(func, kwargs) else None
         if key is not None and key in memo:
@@ -382,6 +385,20 @@ def _remember(memo: dict, key: Any, result: Any) -> None:
         memo.clear()
     described = [TensorSpec(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in results]
     memo[key] = (described, None if isinstance(result, Tensor) else spec)
+
+
+def _embedding_spec(args: tuple, kwargs: dict) -> TensorSpec | None:
+    """The result of ``F.embedding(indices, weight)``: a row of ``weight`` per index, shaped from the
+    two without a meta run. A later stage embeds every microbatch's tokens with the first stage's
+    (meta) table, and with microbatches at their own lengths nearly every one is a memo miss: its
+    meta run took 0.25 ms in a step, against 0.03 ms for this. None for arguments it does not know."""
+    bound = dict(zip(("input", "weight"), args), **{k: v for k, v in kwargs.items() if k in ("input", "weight")})
+    indices, weight = bound.get("input"), bound.get("weight")
+    if not (isinstance(indices, Tensor) and isinstance(weight, Tensor) and weight.dim() == 2):
+        return None
+    if indices.dtype not in (torch.int32, torch.int64):
+        return None  # the meta run raises what torch raises
+    return TensorSpec(torch.Size((*indices.shape, weight.shape[1])), weight.dtype)
 
 
 def _result_device(kwargs: dict, real: list[Tensor]) -> torch.device:

@@ -51,16 +51,39 @@ def test_cached_placeholders_match_meta_runs_skip_them_and_share_their_zeros():
     assert len(storages) == 1
 
     # The second run really took its shapes from the memo: a forged entry shows up in its result.
-    forged = {key: value for key, value in shapes.items() if key[0] is F.embedding}
+    forged = {key: value for key, value in shapes.items() if key[0] is F.dropout}
     assert len(forged) == 1
     (key, (described, spec)), = forged.items()
     shapes[key] = ([type(described[0])(torch.Size([1, 1, 1]), described[0].dtype)], spec)
     with PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, cache=cache):
-        assert F.embedding(idx, weight).shape == (1, 1, 1)
+        assert F.dropout(F.embedding(idx, weight) + 1.0, p=0.1).shape == (1, 1, 1)
 
     longer = torch.randint(0, 50, (3, 9))  # another length: its own entries, its own shapes
     _, other = _run(weight, longer, cache)
     assert other[0].shape == (3, 9, 8) and other[1].shape == (3, 8, 8)
+
+
+def test_embeddings_of_a_table_held_elsewhere_take_their_shape_without_a_meta_run(monkeypatch):
+    """A later stage embeds each microbatch with a table it does not hold: the placeholder's shape is
+    the indices' shape and a row, as a meta run gives it, at every length without running on meta."""
+    weight = nn.Parameter(torch.empty(50, 8, dtype=torch.float64, device="meta"))
+    calls = [
+        lambda idx: F.embedding(idx, weight),
+        lambda idx: F.embedding(idx, weight, padding_idx=0),
+        lambda idx: F.embedding(input=idx, weight=weight),
+        lambda idx: nn.functional.embedding(idx, weight, max_norm=1.0),
+    ]
+    shapes = [(3, 7), (3, 11), (5,), (2, 3, 4)]
+    expected = [[tuple(call(torch.randint(0, 50, shape).to("meta")).shape) for shape in shapes] for call in calls]
+    monkeypatch.setattr("lightning_pipe.model.placeholders._to_meta", lambda value: (_ for _ in ()).throw(AssertionError))
+    for cache in (None, PlaceholderCache()):
+        mode = PlaceholderMode(torch.device("cpu"), {id(weight): "wte.weight"}, cache=cache)
+        with mode:
+            got = [[call(torch.randint(0, 50, shape)) for shape in shapes] for call in calls]
+        for want_row, got_row in zip(expected, got, strict=True):
+            for want, placeholder in zip(want_row, got_row, strict=True):
+                assert tuple(placeholder.shape) == want and placeholder.dtype == torch.float64
+                assert not placeholder.is_meta and mode.sources_of(placeholder) == frozenset({("param", "wte.weight")})
 
 
 def test_placeholder_zeros_are_fresh_tensors_of_one_view_and_tags_stay_apart():
