@@ -6,20 +6,33 @@ number of positions:
 
   fixed         every sequence ``--length`` tokens: one shape for the whole run.
   new-lengths   the sequences of microbatch ``i`` have ``--length + d_i`` real tokens, right-padded
-                to the batch's longest, with offsets ``d_i`` that sum to zero and change every step,
-                so almost every microbatch has a length not seen before; each microbatch is cut to its
+                to the batch's longest, with offsets ``d_i`` that sum to zero and never repeat (below),
+                so every microbatch has a length not seen before; each microbatch is cut to its
                 own length (``trim_padding``), activations carry their shapes, and later stages
                 predict the shapes of the blocks before them (``model/shape_rules.py``).
   probe-always  as ``new-lengths`` with shape prediction switched off in the worker (the behaviour
                 before shape rules: a meta-device probe of every earlier block per new length).
 
-The rows alternate, order flipping every pair, ``--pairs`` times; the table gives the median step
-time of each row and the median over pairs of each row's time relative to ``fixed``, and the same for
-the CPU seconds of a step (both ranks' processes): rows run one after the other carry the shared
-machine's drift in wall time (rounds of one row apart by 10-40% under other tenants' load), far less
-in CPU time.
+Lengths are never seen twice in a run: microbatch offsets come in pairs ``+a, -a`` (a step computes
+as many positions as a fixed one) with every ``a`` in ``1..--spread`` used once.
 
-    python benchmarks/bench_new_lengths.py --pairs 5
+``--interleave`` (the mode to quote) runs one fit of trios instead: a step at new lengths, then two
+steps of the same shapes, and compares each new-length step with the second of its trio (a step like
+the one before it, as at a fixed length): paired medians of wall and CPU time over ``--trios`` trios,
+free of the machine's drift from one process to the next. The same steps then run in one process of
+plain torch: what a new shape costs torch's kernels and allocator themselves. ``--shape-rules off``
+shows what the benchmark reports when a new length does cost something (a meta-device probe per earlier
+block and new length).
+
+Without ``--interleave`` the rows alternate in fresh processes, order flipping every pair, ``--pairs``
+times (``fixed`` then differs in more than newness: its microbatches all have one length, where a
+1F1B step of unequal microbatches is paced by the heaviest in its warm-up and cool-down); the table gives the median step time of each row and the median over pairs of each row's time
+relative to ``fixed``, and the same for the CPU seconds of a step (both ranks' processes): rows run one
+after the other carry the shared machine's drift in wall time (rounds of one row apart by 10-40% under
+other tenants' load), far less in CPU time.
+
+    python benchmarks/bench_new_lengths.py --interleave
+    python benchmarks/bench_new_lengths.py --pairs 3
 """
 
 from __future__ import annotations
