@@ -215,6 +215,8 @@ def main() -> None:
     from rich.table import Table
 
     load_before = os.getloadavg()[0]
+    varying_steps = args.trios + 2 if args.interleave else args.warmup + args.steps
+    fresh_offsets(varying_steps, args.microbatches, args.spread, args.seed)  # enough new lengths? Else says what to change.
     if args.interleave:
         interleaved(args, load_before)
         return
